@@ -1,0 +1,49 @@
+"""fsdp_interactive: interactive distributed training with PyTorch FSDP in Jupyter.
+
+The top-level names are imported lazily so that ``import fsdp_interactive`` (and
+``%load_ext fsdp_interactive``) stays cheap in the notebook kernel:
+
+* ``FullyShardedDataParallel`` and its enums/configs: torch FSDP1's API on ``fully_shard``
+  (:mod:`fsdp_interactive.fsdp`), used on the ranks.
+* ``Pool``: the ipyparallel engine pool, one ``torch.distributed`` rank per engine
+  (:mod:`fsdp_interactive.pool`), used in the notebook kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY_EXPORTS = {
+    "FullyShardedDataParallel": "fsdp_interactive.fsdp",
+    "ShardingStrategy": "fsdp_interactive.fsdp",
+    "BackwardPrefetch": "fsdp_interactive.fsdp",
+    "CPUOffload": "fsdp_interactive.fsdp",
+    "MixedPrecision": "fsdp_interactive.fsdp",
+    "StateDictType": "fsdp_interactive.fsdp",
+    "Pool": "fsdp_interactive.pool",
+}
+
+__all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_interactive' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext fsdp_interactive``: register the ``%fsdp`` / ``%%fsdp`` magics."""
+    from fsdp_interactive.notebook.magics import load_ipython_extension as _load
+
+    _load(ipython)

@@ -1,0 +1,29 @@
+"""Session-wide fixtures: rank groups are started once and shared by every test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.multirank import RankGroup
+
+
+def _group(world_size: int) -> Iterator[RankGroup]:
+    group = RankGroup(world_size)
+    try:
+        yield group.start()
+    finally:
+        group.close()
+
+
+@pytest.fixture(scope="session")
+def ranks2() -> Iterator[RankGroup]:
+    """Two gloo ranks, started once per test session."""
+    yield from _group(2)
+
+
+@pytest.fixture(scope="session")
+def ranks4() -> Iterator[RankGroup]:
+    """Four gloo ranks, started once per test session."""
+    yield from _group(4)
