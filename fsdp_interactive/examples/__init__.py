@@ -1,0 +1,9 @@
+"""Small, dependency-free models and data used by the demo, the tutorials and the benchmarks."""
+
+from fsdp_interactive.examples.transformer import (
+    TinyTransformer,
+    TransformerBlock,
+    synthetic_batch,
+)
+
+__all__ = ["TinyTransformer", "TransformerBlock", "synthetic_batch"]
