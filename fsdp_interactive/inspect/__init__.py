@@ -1,0 +1,57 @@
+"""Rank-side probes: what the ranks hold, as plain data.
+
+Every probe runs on the ranks (through ``Pool.call`` or directly in training code) and
+returns small dataclasses from :mod:`fsdp_interactive.inspect._records` that the notebook
+side renders.  Nothing here imports IPython, ipywidgets or matplotlib.
+
+* ``layout(model, optimizer=None)`` -> ``RankLayout`` (no communication); merge the
+  per-rank answers with ``merge_layouts``.
+* ``grad_norms(model, norm_type=2.0)`` -> ``GradNorms`` (one small all-reduce).
+* ``summon_stats(model, fqn)`` -> ``TensorStats``; ``edit_param(model, fqn, expression)``
+  writes an edited full parameter back (collectives over the mesh).
+* ``memory()`` -> ``MemoryStats`` (no communication).
+* ``GradNormRecorder(model)``: per-step norms from a training loop.
+"""
+
+from fsdp_interactive.inspect._grad_norms import grad_norms
+from fsdp_interactive.inspect._layout import layout
+from fsdp_interactive.inspect._memory import memory
+from fsdp_interactive.inspect._recorder import GradNormRecorder
+from fsdp_interactive.inspect._records import (
+    GradNormRecord,
+    GradNorms,
+    MemoryStats,
+    ModelLayout,
+    ParamLayout,
+    RankLayout,
+    RankTotals,
+    ShardSlice,
+    TensorStats,
+    find_spikes,
+    merge_layouts,
+    record_from_json,
+    record_to_json,
+)
+from fsdp_interactive.inspect._summon import edit_param, summon_stats
+
+__all__ = [
+    "GradNormRecord",
+    "GradNormRecorder",
+    "GradNorms",
+    "MemoryStats",
+    "ModelLayout",
+    "ParamLayout",
+    "RankLayout",
+    "RankTotals",
+    "ShardSlice",
+    "TensorStats",
+    "edit_param",
+    "find_spikes",
+    "grad_norms",
+    "layout",
+    "memory",
+    "merge_layouts",
+    "record_from_json",
+    "record_to_json",
+    "summon_stats",
+]

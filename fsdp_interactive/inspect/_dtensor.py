@@ -1,0 +1,84 @@
+"""Small DTensor helpers shared by the probes (rank side)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: ``to_local()`` of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def replication(tensor: torch.Tensor) -> int:
+    """How many ranks hold an identical copy of this rank's piece of ``tensor``.
+
+    For a DTensor: the product of the mesh sizes of its Replicate dimensions (Partial
+    placements do not occur for parameters or gradients).  For a plain tensor: the world size,
+    since every rank holds all of it.
+    """
+    if isinstance(tensor, DTensor):
+        mesh_shape = tensor.device_mesh.shape
+        return math.prod(
+            size
+            for size, placement in zip(mesh_shape, tensor.placements, strict=True)
+            if placement.is_replicate()
+        )
+    return world()[1]
+
+
+def local_shape_and_offset(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of the piece held at ``coordinate`` of a mesh."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset(
+        global_shape, mesh_shape, coordinate, placements
+    )
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def padded_numels(model: nn.Module) -> dict[int, int]:
+    """id(sharded parameter) -> elements FSDP stores for it on this rank (with padding).
+
+    Read from fully_shard's per-parameter state; parameters not managed by fully_shard are
+    absent.  Reads private torch attributes and returns what it could read.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    sizes: dict[int, int] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:
+            continue
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                try:
+                    sizes[id(fsdp_param.sharded_param)] = math.prod(
+                        fsdp_param.padded_sharded_param_size
+                    )
+                except AttributeError:
+                    continue
+    return sizes
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()``, each parameter once."""
+    yield from model.named_parameters(remove_duplicate=True)

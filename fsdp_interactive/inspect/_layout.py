@@ -1,0 +1,114 @@
+"""``layout(model)``: which rank holds which slice of every parameter (rank side)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_interactive.inspect._dtensor import (
+    local_shape_and_offset,
+    local_tensor,
+    named_parameters,
+    padded_numels,
+    world,
+)
+from fsdp_interactive.inspect._records import ParamLayout, RankLayout, ShardSlice
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()
+
+
+def _param_layout(fqn: str, param: torch.Tensor, padded: dict[int, int]) -> ParamLayout:
+    global_shape = tuple(int(s) for s in param.shape)
+    dtype = str(param.dtype).removeprefix("torch.")
+    if not isinstance(param, DTensor):
+        rank_count = world()[1]
+        numel = param.numel()
+        slices = tuple(
+            ShardSlice(r, global_shape, (0,) * len(global_shape), numel, numel)
+            for r in range(rank_count)
+        )
+        return ParamLayout(
+            fqn=fqn,
+            global_shape=global_shape,
+            dtype=dtype,
+            element_size=param.element_size(),
+            is_dtensor=False,
+            placements=("Replicate(world)",),
+            mesh_shape=(rank_count,),
+            mesh_dim_names=None,
+            requires_grad=param.requires_grad,
+            slices=slices,
+        )
+    mesh = param.device_mesh
+    mesh_shape = tuple(int(s) for s in mesh.shape)
+    ranks = mesh.mesh
+    my_padded = padded.get(id(param))
+    slices = []
+    for coordinate in itertools.product(*(range(s) for s in mesh_shape)):
+        shape, offset = local_shape_and_offset(
+            global_shape, mesh_shape, list(coordinate), param.placements
+        )
+        numel = 1
+        for s in shape:
+            numel *= s
+        # fully_shard pads every shard to the size of the first: the same for all ranks.
+        stored = max(my_padded, numel) if my_padded is not None else numel
+        slices.append(ShardSlice(int(ranks[coordinate].item()), shape, offset, numel, stored))
+    return ParamLayout(
+        fqn=fqn,
+        global_shape=global_shape,
+        dtype=dtype,
+        element_size=param.element_size(),
+        is_dtensor=True,
+        placements=tuple(repr(p) for p in param.placements),
+        mesh_shape=mesh_shape,
+        mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        requires_grad=param.requires_grad,
+        slices=tuple(sorted(slices, key=lambda s: s.rank)),
+    )
+
+
+def layout(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> RankLayout:
+    """Describe how ``model``'s parameters are laid out, as seen from this rank.
+
+    Works for any model whose parameters are DTensors (fully_shard, the FSDP wrapper, any
+    DTensor-parallel model) and for plain modules (every rank then holds everything).  No
+    communication: the slices of other ranks are computed from each parameter's mesh and
+    placements; the byte totals are this rank's own (merge the per-rank answers with
+    ``merge_layouts``).  Padding is known only for parameters managed by fully_shard.
+    Optimizer state counts every tensor in ``optimizer.state`` (local part of DTensors).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"layout(model): model must be an nn.Module, got {type(model).__name__}")
+    rank, world_size = world()
+    padded = padded_numels(model)
+    params = []
+    param_bytes = grad_bytes = 0
+    for fqn, param in named_parameters(model):
+        params.append(_param_layout(fqn, param, padded))
+        stored = padded.get(id(param))
+        param_bytes += stored * param.element_size() if stored is not None else _tensor_bytes(param)
+        if param.grad is not None:
+            grad_bytes += _tensor_bytes(param.grad)
+    optim_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    optim_bytes += _tensor_bytes(value)
+    buffer_bytes = sum(_tensor_bytes(b) for b in model.buffers())
+    return RankLayout(
+        rank=rank,
+        world_size=world_size,
+        params=tuple(params),
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optim_bytes=optim_bytes,
+        buffer_bytes=buffer_bytes,
+    )

@@ -1,0 +1,274 @@
+"""Plain records that the rank-side probes return and the notebook side renders.
+
+Everything here is torch-free on purpose: these dataclasses cross the wire between the
+ranks and the notebook kernel (pickled by the pool) and are rendered by the widgets and
+the text fallbacks.  Numbers are Python ints/floats, shapes are tuples of ints, dtypes and
+placements are strings.
+
+The merge helpers combine the per-rank answers of one probe call (the list a pool's
+``call`` returns, in rank order) into one picture.  They do no communication.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The slice of one parameter that one rank holds.
+
+    ``offset`` is where the slice starts in the full tensor (per dimension); ``numel`` counts
+    real elements, ``padded_numel`` what the rank stores (FSDP pads every shard to the size
+    of the first one so that all-gathers are even; equal to ``numel`` when nothing pads).
+    """
+
+    rank: int
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    numel: int
+    padded_numel: int
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is laid out across the ranks.
+
+    ``slices`` has one entry per global rank of the parameter's mesh (a plain tensor, not a
+    DTensor, has one full slice per rank of the world: it is replicated).
+    """
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    element_size: int
+    is_dtensor: bool
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    requires_grad: bool
+    slices: tuple[ShardSlice, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (unsharded) parameter."""
+        return self.numel * self.element_size
+
+    def slice_of(self, rank: int) -> ShardSlice | None:
+        for piece in self.slices:
+            if piece.rank == rank:
+                return piece
+        return None
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What ``inspect.layout(model)`` returns on one rank.
+
+    ``params`` describe every parameter (identical on every rank of the mesh); the byte
+    totals are measured on this rank only: local parameter storage including padding,
+    gradients, optimizer state (if an optimizer was given) and buffers.
+    """
+
+    rank: int
+    world_size: int
+    params: tuple[ParamLayout, ...]
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    buffer_bytes: int
+
+
+@dataclass(frozen=True)
+class RankTotals:
+    rank: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    buffer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The merged layout of a model: parameters plus every rank's memory totals."""
+
+    world_size: int
+    params: tuple[ParamLayout, ...]
+    ranks: tuple[RankTotals, ...]
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of all parameters, unsharded."""
+        return sum(p.nbytes for p in self.params)
+
+    def held_bytes(self, rank: int) -> int:
+        """Bytes of real (unpadded) parameter elements the rank holds, from the slices."""
+        total = 0
+        for p in self.params:
+            piece = p.slice_of(rank)
+            if piece is not None:
+                total += piece.numel * p.element_size
+        return total
+
+    def param(self, fqn: str) -> ParamLayout:
+        for p in self.params:
+            if p.fqn == fqn:
+                return p
+        known = ", ".join(p.fqn for p in self.params[:8])
+        raise KeyError(f"no parameter {fqn!r}; known parameters include: {known}")
+
+
+def merge_layouts(per_rank: list[RankLayout]) -> ModelLayout:
+    """Combine the per-rank answers of ``layout(model)`` (any order) into a ModelLayout."""
+    if not per_rank:
+        raise ValueError("merge_layouts needs at least one RankLayout, got an empty list")
+    ordered = sorted(per_rank, key=lambda r: r.rank)
+    totals = tuple(
+        RankTotals(r.rank, r.param_bytes, r.grad_bytes, r.optim_bytes, r.buffer_bytes)
+        for r in ordered
+    )
+    return ModelLayout(world_size=ordered[0].world_size, params=ordered[0].params, ranks=totals)
+
+
+@dataclass(frozen=True)
+class GradNorms:
+    """Gradient norms of a model, the same on every rank.
+
+    ``total`` is the global norm as ``torch.nn.utils.clip_grad_norm_`` computes it (the
+    ``norm_type``-norm of the per-parameter norms; parameters without a gradient are left
+    out).  ``params`` maps FQN -> norm of the full gradient; ``modules`` maps a module's FQN
+    ("" is the root) -> the norm over all parameters below it.  ``nonfinite`` lists the
+    parameters whose gradient holds a NaN or an Inf, with their counts.
+    """
+
+    norm_type: float
+    total: float
+    params: dict[str, float]
+    modules: dict[str, float]
+    nan_counts: dict[str, int] = field(default_factory=dict)
+    inf_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nonfinite(self) -> list[str]:
+        return sorted(set(self.nan_counts) | set(self.inf_counts))
+
+    @property
+    def has_nonfinite(self) -> bool:
+        return bool(self.nan_counts or self.inf_counts) or not math.isfinite(self.total)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one full (unsharded) tensor, or of all parameters of a module.
+
+    ``hist_counts``/``hist_edges`` cover the finite values only (``len(edges) ==
+    len(counts) + 1``); mean/std/min/max/norm are over finite values too, NaN when there are
+    none.  ``names`` lists the parameters that were summarized.
+    """
+
+    fqn: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    norm: float
+    nan_count: int
+    inf_count: int
+    hist_counts: tuple[int, ...]
+    hist_edges: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of one rank: process RSS always; device figures when the rank uses CUDA."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    rss_bytes: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    max_allocated_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GradNormRecord:
+    """One step recorded by ``GradNormRecorder``."""
+
+    step: int
+    total: float
+    modules: dict[str, float]
+    nan_count: int
+    inf_count: int
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nan_count > 0 or self.inf_count > 0 or not math.isfinite(self.total)
+
+
+def find_spikes(values: list[float], factor: float = 3.0, window: int = 20) -> list[int]:
+    """Indices whose value exceeds ``factor`` times the median of the ``window`` before it.
+
+    Non-finite values are never spikes (they are reported separately); the first value has
+    no history and is never a spike.
+    """
+    if factor <= 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    spikes: list[int] = []
+    for i, value in enumerate(values):
+        history = [v for v in values[max(0, i - window) : i] if math.isfinite(v)]
+        if not history or not math.isfinite(value):
+            continue
+        history.sort()
+        median = history[len(history) // 2]
+        if median > 0 and value > factor * median:
+            spikes.append(i)
+    return spikes
+
+
+def record_to_json(record: GradNormRecord) -> dict[str, Any]:
+    def num(value: float) -> float | str:
+        return value if math.isfinite(value) else str(value)
+
+    return {
+        "step": record.step,
+        "total": num(record.total),
+        "modules": {k: num(v) for k, v in record.modules.items()},
+        "nan_count": record.nan_count,
+        "inf_count": record.inf_count,
+    }
+
+
+def record_from_json(line: str) -> GradNormRecord:
+    """Parse one line written by a recorder's ``log_path`` back into a record."""
+    data = json.loads(line)
+    return GradNormRecord(
+        step=int(data["step"]),
+        total=float(data["total"]),
+        modules={k: float(v) for k, v in data.get("modules", {}).items()},
+        nan_count=int(data.get("nan_count", 0)),
+        inf_count=int(data.get("inf_count", 0)),
+    )

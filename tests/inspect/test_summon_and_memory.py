@@ -1,0 +1,85 @@
+"""summon_stats()/edit_param() against the full tensor; memory() of each rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fsdp_interactive.inspect import edit_param, memory, summon_stats
+from tests.inspect.models import sharded_and_reference
+
+
+def _stats_vs_full():
+    model, reference = sharded_and_reference()
+    stats = summon_stats(model, "embed.weight", bins=8)
+    block = summon_stats(model, "block")
+    full = reference.embed.weight.detach().double()
+    block_flat = torch.cat([p.detach().reshape(-1).double() for p in reference.block.parameters()])
+    return stats, block, full, block_flat
+
+
+def test_summon_stats_equal_stats_of_the_full_tensor(ranks2):
+    for stats, block, full, block_flat in ranks2.run(_stats_vs_full):
+        assert stats.shape == (3, 5) and stats.numel == 15 and stats.dtype == "float32"
+        assert stats.mean == pytest.approx(float(full.mean()), rel=1e-9)
+        assert stats.std == pytest.approx(float(full.std()), rel=1e-9)
+        assert (stats.min, stats.max) == (float(full.min()), float(full.max()))
+        assert stats.norm == pytest.approx(float(full.norm()), rel=1e-9)
+        assert sum(stats.hist_counts) == 15 and len(stats.hist_edges) == 9
+        assert (stats.nan_count, stats.inf_count) == (0, 0)
+        assert block.names == ("block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias")
+        assert block.numel == block_flat.numel()
+        assert block.mean == pytest.approx(float(block_flat.mean()), rel=1e-9)
+
+
+def _edit_row_zero():
+    model, reference = sharded_and_reference()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.embed.weight
+    stats = edit_param(model, "embed.weight", "x[0] = 0")
+    scaled = edit_param(model, "block.0.bias", "x * 2")
+    full = model.embed.weight.full_tensor()
+    same_object = model.embed.weight is before and optim.param_groups[0]["params"][0] is before
+    expected = reference.embed.weight.detach().clone()
+    expected[0] = 0
+    with pytest.raises(ValueError, match="shape"):
+        edit_param(model, "embed.weight", "x[0]")
+    unchanged = torch.equal(model.embed.weight.full_tensor(), full)
+    return (
+        stats,
+        torch.equal(full, expected),
+        torch.allclose(model.block[0].bias.full_tensor(), 2 * reference.block[0].bias),
+        scaled.numel,
+        same_object,
+        unchanged,
+    )
+
+
+def test_edit_writes_back_every_shard_and_keeps_the_parameter(ranks2):
+    for stats, equal, scaled_ok, numel, same_object, unchanged in ranks2.run(_edit_row_zero):
+        assert equal and scaled_ok and same_object and unchanged
+        assert numel == 8
+        assert stats.min <= 0.0 <= stats.max
+
+
+def _unknown_name():
+    model, _ = sharded_and_reference()
+    try:
+        summon_stats(model, "nope")
+    except KeyError as error:
+        return str(error)
+    return None
+
+
+def test_unknown_name_lists_the_real_names(ranks2):
+    for message in ranks2.run(_unknown_name):
+        assert "no parameter or module named 'nope'" in message and "embed.weight" in message
+
+
+def test_memory_reports_this_process():
+    stats = memory()
+    assert stats.pid == os.getpid()
+    assert stats.rss_bytes > 10 * 2**20
+    assert stats.device == "cpu" and stats.allocated_bytes is None
