@@ -1,0 +1,163 @@
+"""Per-unit initialization before sharding: device, meta materialization, rank-0 sync.
+
+Each FSDP unit runs, in order, just before ``fully_shard`` shards it:
+
+1. :func:`unit_modules` - the modules whose parameters/buffers the unit owns: a breadth-first
+   walk from the unit's module that stops at already-built units and ignored modules.
+2. :func:`materialize` - if any owned parameter or buffer is on the meta device:
+   ``param_init_fn(m)`` for every owned module ``m`` when given (FSDP1's contract), else
+   ``m.to_empty(device, recurse=False)`` + ``m.reset_parameters()`` for every owned module
+   that directly holds states. Because units are built bottom-up and sharded right after this
+   step, a meta-device model is never whole on one rank: the peak is the sharded rest plus
+   one unit's full parameters.
+3. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
+   buffers are broadcast from the mesh's first rank (coalesced per dtype).
+
+Not done here: moving states to the compute device (``fully_shard`` moves the parameters and
+buffers it manages; ignored modules are moved by the constructor when ``device_id`` is given).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def resolve_device(
+    device_id: int | torch.device | None,
+    module: nn.Module,
+    ignored_params: frozenset[nn.Parameter],
+) -> torch.device:
+    """The compute device: ``device_id`` if given, else where the module's states live, else CPU.
+
+    An ``int`` names an index of the current accelerator type (FSDP1: a CUDA index); a
+    ``torch.device`` without an index on an accelerator means the current index.
+    """
+    if isinstance(device_id, int):
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise ValueError(
+                f"device_id={device_id} names an accelerator device index, but no accelerator "
+                "is available; pass device_id=torch.device('cpu') or None for CPU ranks"
+            )
+        return torch.device(accelerator.type, device_id)
+    if isinstance(device_id, torch.device):
+        if device_id.type not in ("cpu", "meta") and device_id.index is None:
+            return torch.device(device_id.type, torch.accelerator.current_device_index())
+        if device_id.type == "meta":
+            raise ValueError("device_id cannot be the meta device")
+        return device_id
+    devices = {
+        t.device
+        for t in _states(module.modules(), ignored_params)
+        if t.device.type not in ("cpu", "meta")
+    }
+    if len(devices) > 1:
+        raise ValueError(
+            f"module has parameters/buffers on several devices {sorted(map(str, devices))}; "
+            "pass device_id to choose the compute device"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _states(
+    modules: Iterable[nn.Module], ignored_params: frozenset[nn.Parameter]
+) -> Iterable[torch.Tensor]:
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            if param not in ignored_params:
+                yield param
+        for buf in module.buffers(recurse=False):
+            if buf is not None:
+                yield buf
+
+
+def unit_modules(
+    unit_root: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    ignored_modules: frozenset[nn.Module],
+) -> list[nn.Module]:
+    """Breadth-first owned modules of a unit (stops at built units and ignored modules)."""
+    owned = [unit_root]
+    seen = {unit_root}
+    queue = collections.deque([unit_root])
+    while queue:
+        for child in queue.popleft().children():
+            if child in seen or child in ignored_modules or is_unit(child):
+                continue
+            seen.add(child)
+            owned.append(child)
+            queue.append(child)
+    return owned
+
+
+def has_meta_states(modules: list[nn.Module], ignored_params: frozenset[nn.Parameter]) -> bool:
+    return any(t.is_meta for t in _states(modules, ignored_params))
+
+
+def materialize(
+    modules: list[nn.Module],
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
+    ignored_params: frozenset[nn.Parameter],
+) -> None:
+    """Give the owned meta-device states real storage (see the module docstring)."""
+    if param_init_fn is not None:
+        for module in modules:
+            param_init_fn(module)
+    else:
+        with torch.no_grad():
+            for module in modules:
+                if not any(True for _ in _states([module], frozenset())):
+                    continue
+                module.to_empty(device=device, recurse=False)
+                reset = getattr(module, "reset_parameters", None)
+                if not callable(reset):
+                    raise ValueError(
+                        f"cannot materialize a meta-device {type(module).__name__}: it has no "
+                        "reset_parameters(); pass param_init_fn to initialize it"
+                    )
+                reset()
+    still_meta = [type(m).__name__ for m in modules if has_meta_states([m], ignored_params)]
+    if still_meta:
+        raise ValueError(
+            "param_init_fn left parameters or buffers on the meta device in "
+            f"{sorted(set(still_meta))}; it must materialize the module it is given"
+        )
+
+
+@torch.no_grad()
+def broadcast_from_rank0(
+    modules: list[nn.Module], ignored_params: frozenset[nn.Parameter], mesh: DeviceMesh
+) -> None:
+    """Overwrite the owned parameters and buffers with the mesh's first rank's values."""
+    tensors = [t for t in _states(modules, ignored_params) if t.numel() > 0]
+    if not tensors:
+        return
+    source = int(mesh.mesh.flatten()[0])
+    group = _mesh_group(mesh)
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for bucket in by_dtype.values():
+        flat = _flatten_dense_tensors([t.detach() for t in bucket])
+        dist.broadcast(flat, src=source, group=group)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(synced)
+
+
+def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """A group spanning every rank of ``mesh`` (the default group if the mesh covers it)."""
+    if mesh.mesh.numel() == dist.get_world_size():
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    raise ValueError(
+        "sync_module_states over a multi-dimensional mesh needs the mesh to span all ranks"
+    )

@@ -1,0 +1,217 @@
+"""Sharding strategy -> device mesh and ``reshard_after_forward`` for ``fully_shard``.
+
+FSDP1 strategies map onto ``fully_shard`` like this:
+
+================== ============================================ =======================
+strategy           mesh                                         reshard_after_forward
+================== ============================================ =======================
+FULL_SHARD         1-D over ``process_group`` (default: world)  True
+SHARD_GRAD_OP      1-D over ``process_group`` (default: world)  False
+NO_SHARD           2-D ``(world, 1)`` named (replicate, shard)  True (a no-op: shard
+                                                                size 1 holds full params)
+HYBRID_SHARD       2-D ``(replicas, shard size)``               True
+_HYBRID_SHARD_ZERO2 2-D ``(replicas, shard size)``              False
+================== ============================================ =======================
+
+Dimension 0 of a 2-D mesh replicates and dimension 1 shards (``fully_shard``'s HSDP layout,
+which is also FSDP1's: intra-node shard group, inter-node replicate group). The hybrid mesh
+comes from ``device_mesh`` when given, from a ``process_group=(intra, inter)`` tuple (built as
+``(inter, intra)``), or from the world size and the ``LOCAL_WORLD_SIZE`` environment variable
+(one replica per node; without the variable the whole world is one shard group).
+
+NO_SHARD uses a shard dimension of size one because ``fully_shard`` rejects ``Replicate()``
+placements: each rank keeps whole parameters and gradients are all-reduced across dim 0.
+
+Meshes built here over the default group are cached per (device type, shape), so wrapping
+many units, or many models in one long-lived process, creates each sub-group once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp.api import ShardingStrategy
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+MESH_DIM_NAMES = ("replicate", "shard")
+
+_mesh_cache: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+    """What one FSDP unit hands to ``fully_shard``: the mesh and the reshard flag."""
+
+    strategy: ShardingStrategy
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The group a parameter is sharded over (size 1 for NO_SHARD)."""
+        return self.mesh.get_group(self.mesh.ndim - 1)
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group whole shards are replicated over (None for a 1-D mesh)."""
+        return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
+
+
+def _world_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+    """A mesh over the default group, created once per (device type, shape)."""
+    world_group = dist.distributed_c10d._get_default_group()
+    key = (device_type, shape)
+    cached = _mesh_cache.get(key)
+    if cached is not None and cached[0] is world_group:
+        return cached[1]
+    names = ("shard",) if len(shape) == 1 else MESH_DIM_NAMES
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _mesh_cache[key] = (world_group, mesh)
+    return mesh
+
+
+def _mesh_from_group_pair(
+    device_type: str, intra: dist.ProcessGroup, inter: dist.ProcessGroup
+) -> DeviceMesh:
+    """A (replicate, shard) mesh from FSDP1's ``(intra_node, inter_node)`` group pair.
+
+    Collective over the default group: every rank tells the others its coordinates.
+    """
+    coords = (dist.get_rank(inter), dist.get_rank(intra), dist.get_rank())
+    gathered: list[tuple[int, int, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, coords)
+    rows, cols = dist.get_world_size(inter), dist.get_world_size(intra)
+    layout = [[-1] * cols for _ in range(rows)]
+    for item in gathered:
+        assert item is not None
+        row, col, rank = item
+        layout[row][col] = rank
+    if any(rank < 0 for row in layout for rank in row):
+        raise ValueError(
+            "process_group=(intra, inter) must tile the default group: the intra-node groups "
+            f"(size {cols}) times the inter-node groups (size {rows}) must cover all "
+            f"{dist.get_world_size()} ranks exactly once"
+        )
+    import torch
+
+    return DeviceMesh.from_group(
+        [inter, intra],
+        device_type,
+        mesh=torch.tensor(layout, dtype=torch.int),
+        mesh_dim_names=MESH_DIM_NAMES,
+    )
+
+
+def _local_world_size() -> int:
+    world = dist.get_world_size()
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world
+    try:
+        local = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
+    if local < 1 or world % local:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={local} must be a positive divisor of the world size {world} "
+            "to build a HYBRID_SHARD mesh"
+        )
+    return local
+
+
+def resolve_layout(
+    strategy: ShardingStrategy,
+    device_type: str,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+) -> ShardingLayout:
+    """Build the mesh for ``strategy`` (arguments already type-checked)."""
+    reshard = strategy in (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy.NO_SHARD,
+    )
+    hybrid = strategy in HYBRID_STRATEGIES
+    if device_mesh is not None:
+        want = 2 if hybrid else 1
+        if strategy == ShardingStrategy.NO_SHARD:
+            if device_mesh.ndim != 1:
+                raise ValueError(
+                    f"device_mesh must be 1-D for NO_SHARD, got a {device_mesh.ndim}-D mesh"
+                )
+            mesh = DeviceMesh.from_group(
+                [device_mesh.get_group(0), _singleton_group(device_mesh)],
+                device_mesh.device_type,
+                mesh=device_mesh.mesh.reshape(-1, 1),
+                mesh_dim_names=MESH_DIM_NAMES,
+            )
+            return ShardingLayout(strategy, mesh, reshard)
+        if device_mesh.ndim != want:
+            raise ValueError(
+                f"device_mesh must be {want}-D for {strategy.name} "
+                f"({'dim 0 replicates, dim 1 shards' if hybrid else 'the shard group'}), "
+                f"got a {device_mesh.ndim}-D mesh"
+            )
+        if hybrid and device_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"device_mesh for {strategy.name} needs mesh_dim_names, e.g. "
+                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        return ShardingLayout(strategy, device_mesh, reshard)
+
+    if hybrid:
+        if isinstance(process_group, tuple):
+            intra, inter = process_group
+            return ShardingLayout(
+                strategy, _mesh_from_group_pair(device_type, intra, inter), reshard
+            )
+        if process_group is not None:
+            raise ValueError(
+                f"process_group for {strategy.name} must be an (intra_node, inter_node) tuple of "
+                f"process groups or None, got a single {type(process_group).__name__}"
+            )
+        local = _local_world_size()
+        mesh = _world_mesh(device_type, (dist.get_world_size() // local, local))
+        return ShardingLayout(strategy, mesh, reshard)
+
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            f"process_group may be an (intra_node, inter_node) tuple only for hybrid strategies, "
+            f"not {strategy.name}"
+        )
+    group = process_group
+    if group is None or group == dist.distributed_c10d._get_default_group():
+        world = dist.get_world_size()
+        if strategy == ShardingStrategy.NO_SHARD:
+            return ShardingLayout(strategy, _world_mesh(device_type, (world, 1)), reshard)
+        return ShardingLayout(strategy, _world_mesh(device_type, (world,)), reshard)
+    flat = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+    if strategy == ShardingStrategy.NO_SHARD:
+        mesh = DeviceMesh.from_group(
+            [group, _singleton_group(flat)],
+            device_type,
+            mesh=flat.mesh.reshape(-1, 1),
+            mesh_dim_names=MESH_DIM_NAMES,
+        )
+        return ShardingLayout(strategy, mesh, reshard)
+    return ShardingLayout(strategy, flat, reshard)
+
+
+_singleton_cache: list[tuple[object, dist.ProcessGroup]] = []
+
+
+def _singleton_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's one-member group (the shard dim of a NO_SHARD mesh over a sub-group).
+
+    ``new_subgroups`` is collective over the *default* group, so every rank of the job must
+    build such a unit; the group is created once per default group and reused.
+    """
+    world_group = dist.distributed_c10d._get_default_group()
+    if _singleton_cache and _singleton_cache[0][0] is world_group:
+        return _singleton_cache[0][1]
+    group, _ = dist.new_subgroups(group_size=1)
+    _singleton_cache[:] = [(world_group, group)]
+    return group

@@ -1,0 +1,307 @@
+"""FSDP1's optimizer-state-dict family on ``fully_shard`` modules.
+
+All results are keyed like torch FSDP1's: by parameter FQN (clean: no wrapper segments)
+for the "state dict" direction, by parameter ID (the position in the optimizer's
+``state_dict()`` numbering) for the "to load" direction. Parameters without optimizer
+state yet are simply absent from ``"state"``.
+
+Differences from torch FSDP1, all following from FSDP2 having no flat parameter:
+
+* sharded values are ``DTensor`` (torch: ``ShardedTensor``), and the "to load" dicts hold
+  ``DTensor`` shards of each original parameter (torch: 1-D slices of a flat parameter);
+* ``group`` arguments are accepted and ignored: the parameters' meshes define the ranks;
+* the ``optim_state_dict`` argument of :func:`optim_state_dict` is accepted for signature
+  compatibility; the state is always read from ``optim`` itself.
+
+The legacy functions (``full_``, ``sharded_``, ``shard_full_``, ``scatter_full_``,
+``flatten_sharded_optim_state_dict``) emit the same kind of ``FutureWarning`` torch FSDP1
+emits, pointing at ``optim_state_dict`` / ``optim_state_dict_to_load``, because they are
+legacy in the FSDP1 API itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_interactive.checkpoint import _state
+from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type
+from fsdp_interactive.fsdp.api import OptimStateKeyType, StateDictType
+
+_CLASS = "FullyShardedDataParallel"
+
+
+def _warn_legacy(curr: str, new: str) -> None:
+    warnings.warn(
+        f"``{_CLASS}.{curr}`` is deprecated (as in torch FSDP1) and is replaced by "
+        f"``{_CLASS}.{new}``.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _param_order(
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    optim_input: Iterable[Any] | None,
+) -> list[nn.Parameter]:
+    """Parameters in parameter-ID order: the optimizer's, else ``optim_input``'s, else the
+    model's ``parameters()`` order (torch FSDP1's rule)."""
+    if optim is not None:
+        return list(chain.from_iterable(g["params"] for g in optim.param_groups))
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated; pass `optim` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        items = list(optim_input)
+        if items and isinstance(items[0], dict):
+            return list(chain.from_iterable(g["params"] for g in items))
+        return items
+    return list(model.parameters())
+
+
+def _fqn_by_param(model: nn.Module) -> dict[int, str]:
+    names = _state.param_fqns(model)
+    out: dict[int, str] = {}
+    for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
+        out.setdefault(id(param), names[raw])
+    return out
+
+
+def _active_settings(model: nn.Module):
+    from fsdp_interactive.fsdp._state_dict_utils import default_settings
+
+    return get_state_dict_type(model) or default_settings()
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: Any = None,
+) -> dict[str, Any]:
+    """The optimizer state keyed by parameter FQN, following ``get_state_dict_type(model)``.
+
+    FULL_STATE_DICT: full tensors (``FullOptimStateDictConfig``: ``rank0_only`` -> ``{}``
+    on nonzero ranks; ``offload_to_cpu``, default True, -> CPU). SHARDED and LOCAL:
+    ``DTensor`` shards (torch FSDP1 gives ``ShardedTensor`` for both).
+    """
+    settings = _active_settings(model)
+    config = settings.optim_state_dict_config
+    if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
+        return _state.optimizer_state(
+            model,
+            optim,
+            full=True,
+            cpu_offload=config.offload_to_cpu,
+            rank0_only=getattr(config, "rank0_only", False),
+        )
+    return _state.optimizer_state(model, optim, full=False, cpu_offload=config.offload_to_cpu)
+
+
+def _to_param_value(value: Any, param: nn.Parameter) -> Any:
+    if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor):
+        return value
+    if isinstance(value, DTensor):
+        if value.device_mesh == param.device_mesh and value.placements == param.placements:
+            return value
+        return value.redistribute(param.device_mesh, param.placements)
+    if tuple(value.shape) != tuple(param.shape):
+        return value  # e.g. Adam's scalar ``step``
+    return distribute_tensor(
+        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )
+
+
+def _loadable(
+    model: nn.Module,
+    osd: dict[str, Any],
+    order: list[nn.Parameter],
+    optim: torch.optim.Optimizer | None,
+    *,
+    keep_names: bool = False,
+) -> dict[str, Any]:
+    """FQN-keyed (full or sharded) state -> this rank's ``optim.load_state_dict`` input."""
+    if not isinstance(osd, dict) or "state" not in osd:
+        raise ValueError(
+            "optim_state_dict must be a dict with 'state' and 'param_groups', "
+            f"got {type(osd).__name__} with keys {sorted(osd) if isinstance(osd, dict) else '-'}"
+        )
+    fqn_of = _fqn_by_param(model)
+    param_by_fqn = {fqn_of[id(p)]: p for p in order if id(p) in fqn_of}
+    pid_of = {fqn_of[id(p)]: i for i, p in enumerate(order) if id(p) in fqn_of}
+    state: dict[Any, Any] = {}
+    for key, entry in osd["state"].items():
+        if key not in param_by_fqn:
+            raise ValueError(
+                f"optim_state_dict names parameter {key!r}, which is not an optimized "
+                f"parameter of the model (known: {sorted(param_by_fqn)})"
+            )
+        param = param_by_fqn[key]
+        value = {name: _to_param_value(v, param) for name, v in entry.items()}
+        state[key if keep_names else pid_of[key]] = value
+    groups_in = osd.get("param_groups", [])
+    if optim is None:
+        groups = [
+            {**g, "params": [g_key if keep_names else pid_of[g_key] for g_key in g["params"]]}
+            for g in groups_in
+        ]
+        return {"state": state, "param_groups": groups}
+    groups = []
+    by_set = {frozenset(g["params"]): g for g in groups_in}
+    for current in optim.param_groups:
+        names = [fqn_of[id(p)] for p in current["params"]]
+        saved = by_set.get(frozenset(names))
+        if saved is None:
+            raise ValueError(
+                f"no parameter group in optim_state_dict matches the optimizer group {names}; "
+                f"saved groups: {[list(g['params']) for g in groups_in]}"
+            )
+        groups.append({**saved, "params": [n if keep_names else pid_of[n] for n in names]})
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: Any = None,
+) -> dict[str, Any]:
+    """Turn an :func:`optim_state_dict` result into what ``optim.load_state_dict`` takes.
+
+    With FULL_STATE_DICT and ``rank0_only=True`` only rank 0's input is used: it is
+    broadcast to the other ranks (which may pass ``{}`` or ``None``). ``load_directly``
+    also loads it into ``optim``.
+    """
+    settings = _active_settings(model)
+    config = settings.optim_state_dict_config
+    if settings.state_dict_type == StateDictType.FULL_STATE_DICT and getattr(
+        config, "rank0_only", False
+    ):
+        optim_state_dict = Ranks().from_rank0(_state.to_cpu(optim_state_dict))
+    order = _param_order(model, optim, None)
+    result = _loadable(model, optim_state_dict, order, optim, keep_names=is_named_optimizer)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_input: Iterable[Any] | None = None,
+    rank0_only: bool = True,
+    group: Any = None,
+) -> dict[str, Any]:
+    """Legacy: full optimizer state keyed by FQN, on CPU; ``{}`` on nonzero ranks if
+    ``rank0_only``."""
+    _warn_legacy("full_optim_state_dict", "optim_state_dict")
+    return _state.optimizer_state(model, optim, full=True, cpu_offload=True, rank0_only=rank0_only)
+
+
+def sharded_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+) -> dict[str, Any]:
+    """Legacy: optimizer state keyed by FQN with ``DTensor`` shards."""
+    _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+    return _state.optimizer_state(model, optim, full=False)
+
+
+def shard_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Legacy: this rank's loadable (parameter-ID keyed) shard of a full state; every rank
+    passes the full state."""
+    _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    order = _param_order(model, optim, optim_input)
+    return _loadable(model, full_optim_state_dict, order, optim)
+
+
+def scatter_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any] | None,
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+    group: Any = None,
+) -> dict[str, Any]:
+    """Legacy: rank 0 holds the full state (others pass ``None``); every rank gets its
+    loadable shard. The state travels from rank 0 as one object broadcast."""
+    _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    ranks = Ranks()
+    if ranks.rank == 0 and full_optim_state_dict is None:
+        raise ValueError("rank 0 must pass the full optimizer state dict, got None")
+    full = ranks.from_rank0(_state.to_cpu(full_optim_state_dict) if ranks.rank == 0 else None)
+    order = _param_order(model, optim, optim_input)
+    return _loadable(model, full, order, optim)
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+) -> dict[str, Any]:
+    """Legacy: a :func:`sharded_optim_state_dict` result -> loadable by ``optim``."""
+    _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    order = _param_order(model, optim, None)
+    return _loadable(model, sharded_optim_state_dict, order, optim)
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: dict[str, Any],
+    optim_state_key_type: OptimStateKeyType,
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Re-key ``optim_state_dict`` by parameter name (FQN) or by parameter ID.
+
+    IDs follow ``optim``'s parameter order, else ``optim_input``'s, else
+    ``model.parameters()`` (torch FSDP1's rule). Already in the target form: returned
+    unchanged. Mixed key types raise ``ValueError("Invalid parameter keys ...")``.
+    """
+    if not isinstance(optim_state_key_type, OptimStateKeyType):
+        raise TypeError(
+            "optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, "
+            f"got {optim_state_key_type!r}"
+        )
+    keys = list(optim_state_dict.get("state", {}))
+    keys += list(chain.from_iterable(g["params"] for g in optim_state_dict.get("param_groups", [])))
+    names = all(isinstance(k, str) for k in keys)
+    ids = all(isinstance(k, int) for k in keys)
+    if keys and not (names or ids):
+        raise ValueError(f"Invalid parameter keys (mixed names and IDs): {keys}")
+    if not keys:
+        return optim_state_dict
+    if (optim_state_key_type == OptimStateKeyType.PARAM_NAME and names) or (
+        optim_state_key_type == OptimStateKeyType.PARAM_ID and ids
+    ):
+        return optim_state_dict
+    order = _param_order(model, optim, optim_input)
+    fqn_of = _fqn_by_param(model)
+    id_to_name = {i: fqn_of[id(p)] for i, p in enumerate(order)}
+    name_to_id = {n: i for i, n in id_to_name.items()}
+    mapping: dict[Any, Any] = id_to_name if ids else name_to_id
+    unknown = [k for k in keys if k not in mapping]
+    if unknown:
+        raise ValueError(f"Invalid parameter keys: {unknown} are not parameters of the model")
+    return {
+        "state": {mapping[k]: v for k, v in optim_state_dict["state"].items()},
+        "param_groups": [
+            {**g, "params": sorted(mapping[k] for k in g["params"])}
+            for g in optim_state_dict.get("param_groups", [])
+        ],
+    }

@@ -1,0 +1,160 @@
+"""``summon_full_params``: whole parameters registered on the modules for a while.
+
+For each target unit, every parameter the unit shards (a DTensor) is all-gathered in its
+*original* dtype (mixed precision does not apply) and registered on its module as a plain
+``nn.Parameter`` with the same ``requires_grad``; on exit the sharded DTensor parameter is
+registered again, so the optimizer's parameter objects never change.
+
+* ``writeback=True``: on exit each rank copies its slice of the (possibly edited) full
+  parameter into its local shard. Edits persist on every rank's shard, because every rank
+  copies from its own full copy; for NO_SHARD the slice is the whole tensor.
+* ``rank0_only=True``: only rank 0 registers full parameters; other ranks take part in the
+  gathers and keep their sharded parameters registered.
+* ``offload_to_cpu=True``: the full parameters are placed on CPU.
+* ``with_grads=True``: each full parameter also gets the full gradient (all-gathered from the
+  sharded gradient; zeros on ranks that hold none while others do). Gradient edits are not
+  written back.
+
+Ignored parameters and parameters outside any unit are left as they are. Buffers are not
+touched. The units are first resharded (a no-op unless a forward without backward left a
+unit's parameters unsharded), so the registered parameters are the sharded ones on entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass
+class _Swap:
+    """One registration slot: ``module._parameters[name]`` held ``sharded`` before entry."""
+
+    module: nn.Module
+    name: str
+    sharded: nn.Parameter
+    full: nn.Parameter | None = None
+
+
+@dataclass
+class _UnitSwaps:
+    swaps: list[_Swap] = field(default_factory=list)
+
+
+def sharded_slots(modules: Sequence[nn.Module]) -> list[_Swap]:
+    """Every (module, name) slot in ``modules`` that holds a DTensor parameter."""
+    slots = []
+    for module in modules:
+        for name, param in module._parameters.items():
+            if isinstance(param, DTensor):
+                slots.append(_Swap(module, name, param))
+    return slots
+
+
+def local_slice(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
+    """The part of ``full`` that this rank's local shard of ``sharded`` holds."""
+    shape, offset = compute_local_shape_and_global_offset(
+        sharded.shape, sharded.device_mesh, sharded.placements
+    )
+    view = full
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        view = view.narrow(dim, start, size)
+    return view
+
+
+@torch.no_grad()
+def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
+    """Give each full parameter the full gradient of its sharded parameter."""
+    flags = torch.tensor([s.sharded.grad is not None for s in slots], dtype=torch.int32)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    for slot, flag in zip(slots, flags.tolist(), strict=True):
+        if not flag:
+            continue
+        grad = slot.sharded.grad
+        if grad is None:
+            shape, _ = compute_local_shape_and_global_offset(
+                slot.sharded.shape, slot.sharded.device_mesh, slot.sharded.placements
+            )
+            local = torch.zeros(
+                shape, dtype=slot.sharded.dtype, device=slot.sharded._local_tensor.device
+            )
+            grad = DTensor.from_local(
+                local, slot.sharded.device_mesh, slot.sharded.placements, run_check=False
+            )
+        full_grad = grad.full_tensor()
+        if slot.full is not None:
+            slot.full.grad = full_grad.to(slot.full.device)
+
+
+@contextlib.contextmanager
+def summon_units(
+    units: Sequence[tuple[Sequence[nn.Module], dist.ProcessGroup]],
+    *,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """Register full parameters on every owned module of ``units`` (see module docstring).
+
+    ``units`` lists, per unit, its owned modules and its shard group (used to agree on which
+    gradients exist).
+    """
+    keep_full = not rank0_only or dist.get_rank() == 0
+    done: list[_UnitSwaps] = []
+    full_of: dict[int, nn.Parameter] = {}
+    gathered: set[int] = set()
+    try:
+        with torch.no_grad():
+            for modules, group in units:
+                record = _UnitSwaps(sharded_slots(modules))
+                done.append(record)
+                for slot in record.swaps:
+                    key = id(slot.sharded)
+                    if key not in gathered:
+                        gathered.add(key)
+                        full = slot.sharded.full_tensor()  # collective: every rank gathers
+                        if keep_full:
+                            if offload_to_cpu:
+                                full = full.cpu()
+                            full_of[key] = nn.Parameter(
+                                full, requires_grad=slot.sharded.requires_grad
+                            )
+                    slot.full = full_of.get(key)
+                if with_grads and record.swaps:
+                    _gather_grads(record.swaps, group)
+                if keep_full:
+                    for slot in record.swaps:
+                        slot.module._parameters[slot.name] = slot.full
+        yield
+    finally:
+        with torch.no_grad():
+            written: set[int] = set()
+            for record in reversed(done):
+                for slot in record.swaps:
+                    current = slot.module._parameters.get(slot.name)
+                    if (
+                        writeback
+                        and keep_full
+                        and current is not None
+                        and id(slot.sharded) not in written
+                    ):
+                        if current.shape != slot.sharded.shape:
+                            raise RuntimeError(
+                                f"summon_full_params: parameter {slot.name!r} of "
+                                f"{type(slot.module).__name__} changed shape from "
+                                f"{tuple(slot.sharded.shape)} to {tuple(current.shape)}; "
+                                "only values can be written back"
+                            )
+                        local = slot.sharded._local_tensor
+                        local.copy_(local_slice(current.detach(), slot.sharded).to(local.device))
+                        written.add(id(slot.sharded))
+                    slot.module._parameters[slot.name] = slot.sharded

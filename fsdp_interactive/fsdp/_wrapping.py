@@ -1,0 +1,114 @@
+"""Auto-wrap: choose the submodules that become their own FSDP units, then wrap bottom-up.
+
+Unit selection uses the policy's own rules, so a policy picks the same units here as in
+FSDP1:
+
+* a ``_Policy`` (``ModuleWrapPolicy``, ``CustomPolicy``) runs its ``_run_policy``;
+* a plain callable ``(module, recurse, nonwrapped_numel) -> bool`` is evaluated the way FSDP1's
+  recursive wrapper evaluates it: ``recurse=True`` asks whether to descend into a module,
+  children are decided first, then ``recurse=False`` with the parameter count not already
+  claimed by wrapped children decides the module itself.
+
+Selection is a pure pass over the unmodified tree; wrapping then happens in post-order
+(children before parents), each selected submodule being replaced in its parent by a
+``FullyShardedDataParallel`` unit. The root is never selected here: the constructor wraps it
+last. Ignored modules (and everything under them) and modules that already are FSDP units are
+skipped; a module reachable from two parents is wrapped once, at its first position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp.wrap import _Policy
+
+WrapFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
+
+
+def select_units(
+    root: nn.Module,
+    policy: _Policy | Callable[..., bool],
+    ignored_modules: frozenset[nn.Module],
+    ignored_params: frozenset[nn.Parameter],
+    is_unit: Callable[[nn.Module], bool],
+    root_kwargs: dict[str, Any],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Map every submodule (not the root) that should become a unit to its constructor kwargs."""
+    if isinstance(policy, _Policy):
+        chosen = policy._run_policy(root, set(ignored_modules), dict(root_kwargs))
+        return {
+            module: {**root_kwargs, **kwargs}
+            for module, kwargs in chosen.items()
+            if module is not root and module not in ignored_modules and not is_unit(module)
+        }
+    chosen_modules: list[nn.Module] = []
+    in_existing_units = {p for m in root.modules() if is_unit(m) for p in m.parameters()}
+    _select_recursively(
+        root,
+        policy,
+        ignored_modules,
+        ignored_params | in_existing_units,
+        is_unit,
+        chosen_modules,
+        is_root=True,
+    )
+    return {module: dict(root_kwargs) for module in chosen_modules}
+
+
+def _select_recursively(
+    module: nn.Module,
+    policy: Callable[..., bool],
+    ignored_modules: frozenset[nn.Module],
+    excluded_params: frozenset[nn.Parameter] | set[nn.Parameter],
+    is_unit: Callable[[nn.Module], bool],
+    chosen: list[nn.Module],
+    is_root: bool = False,
+) -> int:
+    """FSDP1's recursive-wrap decision procedure, recording choices instead of wrapping.
+
+    Returns the number of parameters that ended up in units chosen at or below ``module``.
+    """
+    nonwrapped_numel = sum(p.numel() for p in module.parameters() if p not in excluded_params)
+    if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel):
+        return 0
+    wrapped_numel = 0
+    for child in module.children():
+        if child in ignored_modules or is_unit(child):
+            continue
+        wrapped_numel += _select_recursively(
+            child, policy, ignored_modules, excluded_params, is_unit, chosen
+        )
+    remainder = nonwrapped_numel - wrapped_numel
+    if not is_root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+        chosen.append(module)
+        return nonwrapped_numel
+    return wrapped_numel
+
+
+def wrap_bottom_up(
+    root: nn.Module,
+    targets: dict[nn.Module, dict[str, Any]],
+    wrap_fn: WrapFn,
+    replaced: list[tuple[nn.Module, str, nn.Module]],
+) -> None:
+    """Replace every target below ``root`` by ``wrap_fn(target, kwargs)``, children first.
+
+    Each replacement is appended to ``replaced`` as ``(parent, attribute name, original)`` as
+    soon as it happens, so a failure part-way can be undone by the caller.
+    """
+    done: set[nn.Module] = set()
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if child in done:
+                continue
+            done.add(child)
+            visit(child)
+            if child in targets:
+                wrapper = wrap_fn(child, targets[child])
+                module._modules[name] = wrapper
+                replaced.append((module, name, child))
+
+    visit(root)
