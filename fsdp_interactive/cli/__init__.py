@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS: tuple[str, ...] = ("lab",)
 
 
 def build_parser() -> argparse.ArgumentParser:
