@@ -1,0 +1,55 @@
+"""Live checkpoints of a sharded training state, on ``torch.distributed.checkpoint``.
+
+Rank side: every function here is called on every rank (collectively) unless noted, and
+returns plain dataclasses a notebook panel can display.
+
+* :func:`save` / :func:`async_save` (-> :class:`SaveHandle`): model + optimizer + JSON
+  ``extra``, every rank writing its own shards; atomic publish; ``keep_last`` rotation.
+* :func:`load` (-> :class:`LoadReport`): all-or-nothing, any world size (resharding),
+  strict or reporting key checks, checksums, no arbitrary unpickling.
+* :func:`list_checkpoints` / :func:`latest_checkpoint` (plain file reads, any process).
+* :func:`to_full` / :func:`from_full` (one process, no process group): convert between
+  a checkpoint and a plain state-dict file (safetensors or ``torch.save``).
+"""
+
+from __future__ import annotations
+
+from fsdp_interactive.checkpoint._convert import ConversionResult, from_full, to_full
+from fsdp_interactive.checkpoint._layout import latest_checkpoint, list_checkpoints
+from fsdp_interactive.checkpoint._load import LoadReport, load
+from fsdp_interactive.checkpoint._manifest import CheckpointRecord
+from fsdp_interactive.checkpoint._save import (
+    SaveHandle,
+    SaveResult,
+    async_save,
+    save,
+    wait_for_pending_save,
+)
+from fsdp_interactive.checkpoint.errors import (
+    CheckpointBusyError,
+    CheckpointError,
+    CheckpointPathError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+
+__all__ = [
+    "CheckpointBusyError",
+    "CheckpointError",
+    "CheckpointPathError",
+    "CheckpointRecord",
+    "ConversionResult",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "LoadReport",
+    "SaveHandle",
+    "SaveResult",
+    "async_save",
+    "from_full",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load",
+    "save",
+    "to_full",
+    "wait_for_pending_save",
+]

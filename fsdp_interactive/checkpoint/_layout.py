@@ -1,0 +1,148 @@
+"""Where checkpoints live on disk: temporary names, publishing, listing and rotation.
+
+A checkpoint ``<root>/<name>`` is written as ``<root>/.<name>.partial-<token>`` and
+renamed to ``<root>/<name>`` (one ``os.rename``, atomic on POSIX file systems) only
+after every rank's data, the DCP metadata and the manifest are on disk. Listing ignores
+dot-names, so a save that crashed mid-way is never listed; the next save into the same
+root removes such leftovers. One writer per root folder is assumed.
+
+Nothing here talks to other ranks; callers decide which rank runs what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from fsdp_interactive.checkpoint._manifest import CheckpointRecord, read_manifest
+from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
+
+_PARTIAL_MARK = ".partial-"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def partial_path(final: Path, token: str) -> Path:
+    """The temporary folder a save into ``final`` writes to."""
+    return final.parent / f".{final.name}{_PARTIAL_MARK}{token}"
+
+
+def is_partial(path: Path) -> bool:
+    return path.name.startswith(".") and _PARTIAL_MARK in path.name
+
+
+def check_save_target(final: Path, overwrite: bool) -> None:
+    """Raise :class:`CheckpointPathError` if a checkpoint cannot be saved at ``final``."""
+    if final.name in {"", ".", ".."} or final.name.startswith("."):
+        raise CheckpointPathError(
+            f"path {str(final)!r}: the checkpoint folder name must not be empty or start with '.'"
+        )
+    if final.exists() and not final.is_dir():
+        raise CheckpointPathError(
+            f"path {str(final)!r} is a file; expected a checkpoint folder (new or existing)"
+        )
+    if final.is_dir():
+        if not overwrite:
+            raise CheckpointPathError(
+                f"path {str(final)!r} already exists; pass overwrite=True to replace it"
+            )
+        if any(final.iterdir()) and not (final / "manifest.json").exists():
+            raise CheckpointPathError(
+                f"path {str(final)!r} is a non-empty folder that is not a checkpoint; "
+                "refusing to replace it"
+            )
+    root = final.parent
+    if root.exists() and not root.is_dir():
+        raise CheckpointPathError(f"parent {str(root)!r} of the checkpoint path is a file")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise CheckpointPathError(f"cannot create folder {str(root)!r}: no permission") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointPathError(f"folder {str(root)!r} is not writable (no permission)")
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished ``partial`` folder to ``final`` (replacing an old checkpoint)."""
+    trash = None
+    if final.exists():
+        trash = final.parent / f".{final.name}.replaced-{new_token()}"
+        os.rename(final, trash)
+    try:
+        os.rename(partial, final)
+    except OSError as exc:
+        if trash is not None:
+            os.rename(trash, final)
+        raise CheckpointError(f"could not publish {partial} as {final}: {exc}") from exc
+    fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale_partials(root: Path, keep: set[Path] | None = None) -> list[Path]:
+    """Delete leftovers of crashed saves in ``root`` (except the folders in ``keep``)."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for child in root.iterdir():
+        if child.is_dir() and (is_partial(child) or ".replaced-" in child.name):
+            if keep and child in keep:
+                continue
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[CheckpointRecord]:
+    """Published checkpoints in ``root``, oldest first (by step, then creation time).
+
+    Unfinished saves (dot-named partial folders) and folders without a valid manifest are
+    not listed. A missing ``root`` lists nothing; a ``root`` that is a file is an error.
+    """
+    root_path = Path(root)
+    if root_path.exists() and not root_path.is_dir():
+        raise CheckpointPathError(f"{str(root_path)!r} is a file; expected a checkpoint folder")
+    if not root_path.exists():
+        return []
+    records = []
+    for child in root_path.iterdir():
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        try:
+            records.append(read_manifest(child).record(child))
+        except CheckpointError:
+            continue
+    return sorted(records, key=_age_key)
+
+
+def _age_key(record: CheckpointRecord) -> tuple[int, float, str]:
+    return (-1 if record.step is None else record.step, record.created_unix, record.name)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> CheckpointRecord | None:
+    """The newest published checkpoint in ``root`` (highest step, then newest), or None."""
+    records = list_checkpoints(root)
+    return records[-1] if records else None
+
+
+def rotate(root: Path, keep_last: int, protect: Path) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints of ``root``; never ``protect``."""
+    records = list_checkpoints(root)
+    doomed = [r for r in records[: max(0, len(records) - keep_last)] if Path(r.path) != protect]
+    for record in doomed:
+        shutil.rmtree(record.path, ignore_errors=True)
+    return [r.path for r in doomed]

@@ -1,0 +1,268 @@
+"""Model and optimizer state as plain nested dicts keyed by clean parameter FQNs.
+
+Thin layer over ``torch.distributed.checkpoint.state_dict`` (``get/set_model_state_dict``,
+``get/set_optimizer_state_dict``, ``StateDictOptions``): no hand-written gathers.
+
+What this layer adds:
+
+* **Clean FQNs for optimizer state.** DCP keys optimizer state by ``named_parameters()``
+  names, which keep a wrapper's inner-module segment (e.g. ``module.``). Here a name
+  segment is dropped when the parent module lists that child in ``_fqn_modifiers()``'s
+  values (the same rule DCP applies to model keys), so model and optimizer keys agree.
+* **No side effect on a fresh optimizer.** DCP initialises empty optimizer state by
+  running a zero-lr ``step()`` (Adam's step counter becomes 1). When the optimizer has no
+  state yet, :func:`optimizer_state` returns ``{"state": {}, "param_groups": [...]}``
+  without touching it, as torch FSDP1 does.
+* **Raw mode.** :func:`raw_state_dict` suspends the FSDP1-style ``state_dict`` hooks of
+  :mod:`fsdp_interactive.fsdp._state_dict_utils`, so checkpoints always see the native
+  sharded (DTensor) state whatever ``state_dict_type`` is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+_FQN_MODIFIERS = "_fqn_modifiers"
+_raw = threading.local()
+
+
+@contextlib.contextmanager
+def raw_state_dict() -> Iterator[None]:
+    """Within this context ``module.state_dict()`` returns the native (DTensor) state."""
+    depth = getattr(_raw, "depth", 0)
+    _raw.depth = depth + 1
+    try:
+        yield
+    finally:
+        _raw.depth = depth
+
+
+def hooks_suspended() -> bool:
+    """True inside :func:`raw_state_dict` (on this thread)."""
+    return getattr(_raw, "depth", 0) > 0
+
+
+def _hidden_children(module: nn.Module) -> set[str]:
+    modifiers = getattr(module, _FQN_MODIFIERS, None)
+    if modifiers is None or not callable(modifiers):
+        return set()
+    return set(modifiers().values())
+
+
+def clean_module_names(model: nn.Module) -> dict[str, str]:
+    """Raw module path (as in ``named_modules()``) -> clean path (wrapper segments dropped)."""
+    clean: dict[str, str] = {"": ""}
+    for raw_name, module in model.named_modules(remove_duplicate=False):
+        hidden = _hidden_children(module)
+        base = clean[raw_name]
+        for child_name, _ in module.named_children():
+            raw_child = f"{raw_name}.{child_name}" if raw_name else child_name
+            if child_name in hidden:
+                clean[raw_child] = base
+            else:
+                clean[raw_child] = f"{base}.{child_name}" if base else child_name
+    return clean
+
+
+def param_fqns(model: nn.Module) -> dict[str, str]:
+    """``named_parameters()`` name -> clean parameter FQN, for every parameter of ``model``."""
+    modules = clean_module_names(model)
+    out = {}
+    for raw_name, _ in nn.Module.named_parameters(model, remove_duplicate=False):
+        owner, _, leaf = raw_name.rpartition(".")
+        base = modules.get(owner, owner)
+        out[raw_name] = f"{base}.{leaf}" if base else leaf
+    return out
+
+
+def dcp_param_keys(model: nn.Module) -> dict[str, str]:
+    """Key DCP's optimizer helpers use for a parameter -> clean FQN.
+
+    DCP derives its keys from ``model.named_parameters()`` (which a wrapper class may
+    already clean) through its FQN resolution; both spellings map to the clean FQN.
+    """
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - older/newer torch without the helper
+        _get_fqns = None
+    names = param_fqns(model)
+    clean_by_id = {}
+    for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
+        clean_by_id.setdefault(id(param), names[raw])
+    out = {}
+    for name, param in model.named_parameters():
+        keys = _get_fqns(model, name) if _get_fqns is not None else {name}
+        for key in keys:
+            out[key] = clean_by_id.get(id(param), key)
+    return out
+
+
+def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Clean FQNs of each param group's parameters, in the optimizer's order."""
+    names = param_fqns(model)
+    by_id = {}
+    for raw_name, param in nn.Module.named_parameters(model, remove_duplicate=False):
+        by_id.setdefault(id(param), names[raw_name])
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            groups.append([by_id[id(p)] for p in group["params"]])
+        except KeyError:
+            raise ValueError(
+                "optimizer holds a parameter that is not a parameter of the model"
+            ) from None
+    return groups
+
+
+def optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Public twin of the FQN lists per param group (used to validate loads)."""
+    return _optimizer_param_names(model, optimizer)
+
+
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    return any(bool(s) for s in optimizer.state.values())
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def to_cpu(obj: Any) -> Any:
+    """Copy every tensor in a nested structure to CPU (DTensors become plain tensors only
+    if they already are; sharding is kept)."""
+    return _map_tensors(obj, lambda t: t.cpu())
+
+
+def model_state(
+    model: nn.Module, *, full: bool = False, cpu_offload: bool = False, rank0_only: bool = False
+) -> dict[str, Any]:
+    """The model's state dict with clean FQN keys.
+
+    ``full=False``: sharded ``DTensor`` values (no communication). ``full=True``: plain
+    full tensors on every rank (``rank0_only``: on rank 0 only, ``{}`` elsewhere);
+    ``cpu_offload`` moves the values to CPU.
+    """
+    dcp_offload = full and cpu_offload and rank0_only
+    with raw_state_dict():
+        sd = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=full, cpu_offload=dcp_offload)
+        )
+    if full and rank0_only and _rank() != 0:
+        return {}
+    if cpu_offload and not dcp_offload:
+        sd = to_cpu(sd)
+    return sd
+
+
+def optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    full: bool = False,
+    cpu_offload: bool = False,
+    rank0_only: bool = False,
+) -> dict[str, Any]:
+    """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
+
+    Parameters without optimizer state yet are absent from ``"state"``. Values follow
+    ``full`` / ``cpu_offload`` / ``rank0_only`` like :func:`model_state`.
+    """
+    if not _has_state(optimizer):
+        groups = _optimizer_param_names(model, optimizer)
+        param_groups = []
+        for group, names in zip(optimizer.state_dict()["param_groups"], groups, strict=True):
+            param_groups.append({**group, "params": list(names)})
+        if full and rank0_only and _rank() != 0:
+            return {}
+        return {"state": {}, "param_groups": param_groups}
+    dcp_offload = full and cpu_offload and rank0_only
+    with raw_state_dict():
+        osd = get_optimizer_state_dict(
+            model,
+            optimizer,
+            options=StateDictOptions(full_state_dict=full, cpu_offload=dcp_offload),
+        )
+    if full and rank0_only and _rank() != 0:
+        return {}
+    names = dcp_param_keys(model)
+    osd = {
+        "state": {names.get(k, k): v for k, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names.get(p, p) for p in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+    if cpu_offload and not dcp_offload:
+        osd = to_cpu(osd)
+    return osd
+
+
+def apply_model_state(
+    model: nn.Module, state: dict[str, Any], *, strict: bool = True, full: bool = False
+) -> Any:
+    """Load ``state`` (clean FQN keys; DTensor or, with ``full``, plain full tensors)."""
+    with raw_state_dict():
+        return set_model_state_dict(
+            model, state, options=StateDictOptions(strict=strict, full_state_dict=full)
+        )
+
+
+def apply_optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    *,
+    full: bool = False,
+) -> None:
+    """Load an optimizer state dict keyed by clean FQNs (as :func:`optimizer_state` makes)."""
+    inverse = {clean: key for key, clean in dcp_param_keys(model).items()}
+    raw_state = {
+        "state": {inverse.get(k, k): v for k, v in state.get("state", {}).items()},
+        "param_groups": [
+            {**g, "params": [inverse.get(p, p) for p in g["params"]]}
+            for g in state.get("param_groups", [])
+        ],
+    }
+    with raw_state_dict():
+        set_optimizer_state_dict(
+            model, optimizer, raw_state, options=StateDictOptions(full_state_dict=full)
+        )
+
+
+def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Same structure, fresh uninitialised tensors (DTensors keep their sharding)."""
+    return _map_tensors(state, torch.empty_like)
+
+
+def global_shape(value: torch.Tensor) -> tuple[int, ...]:
+    return tuple(value.shape)
+
+
+def is_dtensor(value: Any) -> bool:
+    return isinstance(value, DTensor)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

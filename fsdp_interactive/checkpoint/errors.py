@@ -1,0 +1,68 @@
+"""Exceptions raised by :mod:`fsdp_interactive.checkpoint`.
+
+Every error is raised on *all* ranks of a collective save or load (the ranks agree on
+the verdict before raising), so a notebook cell fails as a whole instead of leaving some
+ranks blocked in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every checkpoint error."""
+
+
+class CheckpointPathError(CheckpointError, ValueError):
+    """The path given to save/load/list is unusable (a file, not writable, missing, taken)."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """A save was requested while another save of this process is still running."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is missing, truncated, altered or unreadable.
+
+    ``file`` names the offending file. Nothing has been written into the model or the
+    optimizer when this is raised.
+    """
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
+
+    def __reduce__(self):  # keep ``file`` when the error travels between ranks
+        return (type(self), (str(self), self.file))
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint does not fit the model/optimizer it is loaded into.
+
+    Carries the offending keys so callers (and the notebook panel) can show them.
+    Nothing has been written into the model or the optimizer when this is raised.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_keys: Sequence[str] = (),
+        unexpected_keys: Sequence[str] = (),
+        shape_mismatches: Sequence[str] = (),
+    ):
+        super().__init__(message)
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+        self.shape_mismatches = list(shape_mismatches)
+
+    def __reduce__(self):  # keep the key lists when the error travels between ranks
+        return (
+            _rebuild_incompatible,
+            (type(self), str(self), self.missing_keys, self.unexpected_keys, self.shape_mismatches),
+        )
+
+
+def _rebuild_incompatible(cls, message, missing, unexpected, shapes):
+    return cls(message, missing_keys=missing, unexpected_keys=unexpected, shape_mismatches=shapes)

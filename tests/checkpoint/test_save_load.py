@@ -1,0 +1,162 @@
+"""Checkpoint round trips on real gloo ranks: resume equals the uninterrupted run,
+async saves stage a copy and let training go on, rotation and listing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_interactive import checkpoint as ck
+from tests.checkpoint import _common as c
+
+
+def _resume_equals_uninterrupted(root: str, kind: str, optim_kind: str) -> dict:
+    model = c.build(kind, seed=0)
+    opt = c.optimizer(model, optim_kind)
+    for i in range(2):
+        c.train_step(model, opt, i)
+    saved = ck.save(f"{root}/step-2", model, opt, extra={"step": 2, "lr_scale": 0.5})
+    expected_loss = c.train_step(model, opt, 2)
+    expected = c.full_values(model)
+
+    fresh = c.build(kind, seed=123)
+    fresh_opt = c.optimizer(fresh, optim_kind)
+    report = ck.load(f"{root}/step-2", fresh, fresh_opt)
+    resumed_loss = c.train_step(fresh, fresh_opt, 2)
+    return {
+        "saved": saved,
+        "report": report,
+        "loss_diff": abs(expected_loss - resumed_loss),
+        "param_diff": c.max_diff(expected, c.full_values(fresh)),
+    }
+
+
+@pytest.mark.parametrize("optim_kind", ["adamw", "sgd"])
+def test_resume_step_equals_uninterrupted_step(ranks2, tmp_path, optim_kind):
+    results = ranks2.run(_resume_equals_uninterrupted, str(tmp_path), "fsdp2", optim_kind)
+    for r in results:
+        assert r["loss_diff"] == 0.0
+        assert r["param_diff"] == 0.0
+        assert r["report"].loaded_optimizer
+        assert r["report"].extra == {"step": 2, "lr_scale": 0.5}
+        assert r["report"].step == 2 and r["report"].saved_world_size == 2
+    assert results[0]["saved"] == results[1]["saved"]
+    assert results[0]["saved"].path == str(tmp_path / "step-2")
+
+
+def _async_save_stages_a_copy(root: str) -> dict:
+    model = c.build("fsdp2")
+    opt = c.optimizer(model)
+    c.train_step(model, opt, 0)
+    at_save = c.full_values(model)
+    handle = ck.async_save(f"{root}/step-1", model, opt, step=1)
+    # Training continues while the writer thread runs; the in-place update must not leak.
+    c.train_step(model, opt, 1)
+    after_step = c.full_values(model)
+    result = handle.wait(timeout=120)
+    fresh = c.build("fsdp2", seed=9)
+    ck.load(result.path, fresh)
+    return {
+        "done": handle.done(),
+        "diff_to_save_time": c.max_diff(at_save, c.full_values(fresh)),
+        "training_moved": c.max_diff(at_save, after_step),
+        "step": result.step,
+    }
+
+
+def test_async_save_keeps_the_state_of_save_time_while_training_goes_on(ranks2, tmp_path):
+    for r in ranks2.run(_async_save_stages_a_copy, str(tmp_path)):
+        assert r["done"] and r["step"] == 1
+        assert r["training_moved"] > 0
+        assert r["diff_to_save_time"] == 0.0
+
+
+def _second_save_while_busy(root: str) -> dict:
+    import time
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model = c.build("fsdp2")
+    original = fs._FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        time.sleep(1.5)
+        return original(self, plan, planner)
+
+    fs._FileSystemWriter.write_data = slow_write
+    try:
+        first = ck.async_save(f"{root}/a", model, step=1)
+        try:
+            ck.async_save(f"{root}/b", model, step=2, if_busy="error")
+            refused = None
+        except ck.CheckpointBusyError as exc:
+            refused = str(exc)
+        second = ck.async_save(f"{root}/b", model, step=2)  # waits for the first
+        first_done_before_second_started = first.done()
+        second.wait(timeout=120)
+    finally:
+        fs._FileSystemWriter.write_data = original
+    return {
+        "refused": refused,
+        "first_done": first_done_before_second_started,
+        "listed": [r.name for r in ck.list_checkpoints(root)],
+    }
+
+
+def test_second_save_is_refused_or_waits_for_the_running_one(ranks2, tmp_path):
+    for r in ranks2.run(_second_save_while_busy, str(tmp_path)):
+        assert r["refused"] is not None and "still running" in r["refused"]
+        assert r["first_done"]
+        assert r["listed"] == ["a", "b"]
+
+
+def _rotation(root: str) -> list:
+    model = c.build("fsdp2")
+    opt = c.optimizer(model, "sgd")
+    results = []
+    for step in range(1, 5):
+        c.train_step(model, opt, step)
+        results.append(ck.save(f"{root}/step-{step}", model, opt, step=step, keep_last=2))
+    return [results, ck.list_checkpoints(root)]
+
+
+def test_keep_last_rotation_and_listing(ranks2, tmp_path):
+    (results, records), _ = ranks2.run(_rotation, str(tmp_path))
+    assert [r.step for r in records] == [3, 4]
+    assert [r.name for r in records] == ["step-3", "step-4"]
+    assert results[3].removed_by_rotation == [str(tmp_path / "step-2")]
+    for record in records:
+        assert record.world_size == 2 and record.has_optimizer
+        assert record.size_bytes > 0 and record.num_files == 3
+        assert record.created_utc.endswith("+00:00")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+    # Listing is a plain file read: it works in this (non-rank) process too.
+    assert ck.list_checkpoints(tmp_path) == records
+    assert ck.latest_checkpoint(tmp_path) == records[-1]
+
+
+def test_extra_must_be_json(tmp_path):
+    model = c.plain_model()
+    with pytest.raises(TypeError, match="extra must hold only JSON data"):
+        ck.save(tmp_path / "x", model, extra={"when": object()})
+    with pytest.raises(ValueError, match=r"extra\['loss'\] is nan"):
+        ck.save(tmp_path / "x", model, extra={"loss": float("nan")})
+    assert not any(tmp_path.iterdir())
+
+
+def test_plain_module_round_trip_in_one_process(tmp_path):
+    model = c.plain_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    ck.save(tmp_path / "one", model, opt, step=7)
+    fresh = c.plain_model(5)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    report = ck.load(tmp_path / "one", fresh, fresh_opt)
+    assert report.step == 7 and report.world_size == 1
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert torch.equal(
+        opt.state_dict()["state"][0]["momentum_buffer"],
+        fresh_opt.state_dict()["state"][0]["momentum_buffer"],
+    )
