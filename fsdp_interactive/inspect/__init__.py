@@ -10,12 +10,14 @@ side renders.  Nothing here imports IPython, ipywidgets or matplotlib.
 * ``summon_stats(model, fqn)`` -> ``TensorStats``; ``edit_param(model, fqn, expression)``
   writes an edited full parameter back (collectives over the mesh).
 * ``memory()`` -> ``MemoryStats`` (no communication).
+* ``plain_copy(value, max_bytes)``: a CPU copy of a (D)Tensor for the kernel, size-limited.
 * ``GradNormRecorder(model)``: per-step norms from a training loop.
 """
 
 from fsdp_interactive.inspect._grad_norms import grad_norms
 from fsdp_interactive.inspect._layout import layout
 from fsdp_interactive.inspect._memory import memory
+from fsdp_interactive.inspect._pull import plain_copy
 from fsdp_interactive.inspect._recorder import GradNormRecorder
 from fsdp_interactive.inspect._records import (
     GradNormRecord,
@@ -51,6 +53,7 @@ __all__ = [
     "layout",
     "memory",
     "merge_layouts",
+    "plain_copy",
     "record_from_json",
     "record_to_json",
     "summon_stats",

@@ -1,0 +1,47 @@
+"""Notebook side: magics, widgets and plots over the rank pool.
+
+Nothing here initializes CUDA in the kernel; everything shown is asked of the ranks
+through the probes in :mod:`fsdp_interactive.inspect`.
+
+* ``%load_ext fsdp_interactive`` registers ``%fsdp``, ``%%fsdp`` and ``%fsdp_auto``
+  (:mod:`fsdp_interactive.notebook.magics`); ``current_pool()`` is the pool they started.
+* ``RankModel(pool, model="model", optimizer=None, recorder=None)``: the probes as plain
+  calls on a model living on the ranks.
+* Views, each a widget in a live kernel and text/HTML elsewhere: ``LayoutView``,
+  ``SummonPanel``, ``GradNormView``, ``GradNormMonitor``, ``Dashboard``,
+  ``CheckpointPanel``.
+* :mod:`fsdp_interactive.notebook.plots`: the matplotlib figures from plain records.
+
+Names are imported lazily so that loading the magics does not import matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "current_pool": "fsdp_interactive.notebook.magics",
+    "RankModel": "fsdp_interactive.notebook._remote",
+    "LayoutView": "fsdp_interactive.notebook.layout_view",
+    "SummonPanel": "fsdp_interactive.notebook.summon_panel",
+    "GradNormView": "fsdp_interactive.notebook.grad_norm_view",
+    "GradNormMonitor": "fsdp_interactive.notebook.monitor",
+    "Dashboard": "fsdp_interactive.notebook.dashboard",
+    "CheckpointPanel": "fsdp_interactive.notebook.checkpoint_panel",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_interactive.notebook' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

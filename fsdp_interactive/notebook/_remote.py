@@ -1,0 +1,119 @@
+"""``RankModel``: run the inspect probes on a model that lives on the pool's ranks.
+
+The model, optimizer and recorder are named by Python expressions evaluated in the
+ranks' namespace (``"model"``, ``"trainer.model"``).  Each probe is one ``pool.run`` of a
+code string that stores the probe's plain-data answer in a scratch variable, followed by
+one ``pool.pull`` of it; the scratch variable is deleted again.  Nothing is gathered to the
+kernel except the probes' small records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_interactive.inspect._records import (
+    GradNormRecord,
+    GradNorms,
+    MemoryStats,
+    ModelLayout,
+    TensorStats,
+    merge_layouts,
+)
+
+_SCRATCH = "_fsdp_interactive_probe"
+
+
+def _check_expression(argument: str, value: str | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"{argument} must name a variable on the ranks, e.g. 'model'; got {value!r}"
+        )
+    try:
+        compile(value, f"<{argument}>", "eval")
+    except SyntaxError:
+        raise ValueError(
+            f"{argument}={value!r} is not a Python expression; give the name of the variable on "
+            "the ranks, e.g. 'model' or 'trainer.model'"
+        ) from None
+
+
+class RankModel:
+    """Probe a model on the pool's ranks; every method is a plain call that widgets reuse.
+
+    ``model``, ``optimizer`` and ``recorder`` are expressions evaluated on the ranks.
+    Probes that are collectives (grad norms, summon, edit) run on every rank; layout and
+    memory also run on every rank and are merged here.  Errors on the ranks propagate as
+    the pool's ``RankError``.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        model: str = "model",
+        optimizer: str | None = None,
+        recorder: str | None = None,
+        timeout: float | None = 120.0,
+    ):
+        _check_expression("model", model)
+        _check_expression("optimizer", optimizer, optional=True)
+        _check_expression("recorder", recorder, optional=True)
+        self.pool = pool
+        self.model = model
+        self.optimizer = optimizer
+        self.recorder = recorder
+        self.timeout = timeout
+
+    def _probe(self, expression: str) -> list[Any]:
+        code = (
+            "import fsdp_interactive.inspect as _fsdp_interactive_inspect\n"
+            f"{_SCRATCH} = {expression}\n"
+        )
+        self.pool.run(code, timeout=self.timeout, stream=False)
+        try:
+            return list(self.pool.pull(_SCRATCH))
+        finally:
+            self.pool.run(f"del {_SCRATCH}, _fsdp_interactive_inspect", stream=False)
+
+    def layout(self) -> ModelLayout:
+        optimizer = self.optimizer or "None"
+        return merge_layouts(
+            self._probe(f"_fsdp_interactive_inspect.layout({self.model}, {optimizer})")
+        )
+
+    def grad_norms(self, norm_type: float = 2.0) -> GradNorms:
+        return self._probe(
+            f"_fsdp_interactive_inspect.grad_norms({self.model}, {float(norm_type)!r})"
+        )[0]
+
+    def summon(self, fqn: str, bins: int = 40) -> TensorStats:
+        return self._probe(
+            f"_fsdp_interactive_inspect.summon_stats({self.model}, {fqn!r}, bins={int(bins)})"
+        )[0]
+
+    def edit(self, fqn: str, expression: str, bins: int = 40) -> TensorStats:
+        return self._probe(
+            f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
+            f"bins={int(bins)})"
+        )[0]
+
+    def memory(self) -> list[MemoryStats]:
+        return sorted(self._probe("_fsdp_interactive_inspect.memory()"), key=lambda m: m.rank)
+
+    def history(self, since: int = 0) -> list[GradNormRecord]:
+        if self.recorder is None:
+            raise ValueError(
+                "no recorder: create RankModel(pool, recorder='recorder') naming a "
+                "GradNormRecorder that lives on the ranks"
+            )
+        return self._probe(f"{self.recorder}.history(since={int(since)})")[0]
+
+    def topology(self) -> list[Any]:
+        return list(self.pool.topology)
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """(parameter FQNs, module FQNs that own parameters), from the layout."""
+        params = [p.fqn for p in self.layout().params]
+        modules = sorted({p.rsplit(".", 1)[0] for p in params if "." in p})
+        return params, modules

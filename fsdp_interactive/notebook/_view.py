@@ -1,0 +1,61 @@
+"""What every view shares: a widget built on demand and text/HTML fallbacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def live_kernel() -> bool:
+    """True inside a Jupyter kernel, where widget views can be displayed."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class View:
+    """Base of the views: ``text()``, ``html()`` and ``widget`` show the same data.
+
+    Displaying a view gives a bundle with ``text/plain`` and ``text/html`` always, plus the
+    widget's view inside a live kernel; so nbval and nbconvert see plain text and HTML, and
+    JupyterLab shows the interactive widget.
+    """
+
+    _widget: Any = None
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def html(self) -> str:
+        raise NotImplementedError
+
+    def _build_widget(self) -> Any:
+        raise NotImplementedError
+
+    def _update_widget(self) -> None:
+        """Push the current data into the widget (only called once it exists)."""
+
+    @property
+    def widget(self) -> Any:
+        if self._widget is None:
+            self._widget = self._build_widget()
+            self._update_widget()
+        return self._widget
+
+    def _changed(self) -> None:
+        if self._widget is not None:
+            self._update_widget()
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        bundle: dict[str, Any] = {"text/plain": self.text(), "text/html": self.html()}
+        if live_kernel():
+            widget_bundle = self.widget._repr_mimebundle_() or {}
+            for key, value in widget_bundle.items():
+                if key != "text/plain":
+                    bundle[key] = value
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.text()

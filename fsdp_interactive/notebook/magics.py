@@ -1,0 +1,436 @@
+"""``%fsdp``, ``%%fsdp`` and ``%fsdp_auto``: drive the rank pool from a notebook.
+
+Loaded with ``%load_ext fsdp_interactive``.  Option names follow ipyparallel's ``%%px``
+where the meaning is the same.  The magics hold one :class:`~fsdp_interactive.pool.Pool`
+(``current_pool()`` returns it for widgets and scripts).  Every failure on a rank makes the
+cell raise, so nbval and papermill see it; bad input raises ``UsageError`` saying what to
+type instead.  The kernel never touches CUDA here: memory and devices are asked of the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from fsdp_interactive.notebook._cell_output import (
+    GROUPINGS,
+    StreamSink,
+    collect_outputs,
+    message_count,
+    retained_metadata,
+    show_outputs,
+)
+
+_PULL_SCRATCH = "_fsdp_interactive_pulled"
+_DEFAULT_PULL_LIMIT = 256 * 2**20
+_SUBCOMMANDS = ("start", "stop", "restart", "status", "interrupt", "push", "pull")
+
+_magics: FsdpMagics | None = None
+
+
+def current_pool() -> Any:
+    """The pool that ``%fsdp start`` started in this kernel (None if there is none)."""
+    return _magics.pool if _magics is not None else None
+
+
+def parse_targets(text: str, world_size: int) -> list[int] | None:
+    """``"all"`` -> None; ``"0,2"``, ``"1"``, ``"0-2"`` -> a sorted list of ranks."""
+    text = text.strip()
+    if text == "all":
+        return None
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = (int(p) for p in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError(part)
+                ranks.update(range(lo, hi + 1))
+            else:
+                ranks.add(int(part))
+    except ValueError:
+        raise UsageError(
+            f"--targets {text!r} is not a rank list; type e.g. --targets 0, --targets 0,1, "
+            "--targets 0-1 or --targets all"
+        ) from None
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise UsageError(
+            f"--targets {text}: rank(s) {bad} do not exist; the pool has ranks 0..{world_size - 1} "
+            f"(type --targets 0-{world_size - 1} or --targets all)"
+        )
+    return sorted(ranks)
+
+
+def _rank_error_class() -> type:
+    from fsdp_interactive.pool import RankError
+
+    return RankError
+
+
+def _pool_failures() -> tuple[type[BaseException], ...]:
+    from fsdp_interactive.pool import RankDied, RankError, RankInterrupted, RankTimeout
+
+    return (RankError, RankTimeout, RankDied, RankInterrupted)
+
+
+def _shown_as_message(error: BaseException) -> BaseException:
+    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames."""
+    text = f"{type(error).__name__}: {error}"
+    error._render_traceback_ = lambda: text.splitlines()  # type: ignore[attr-defined]
+    return error
+
+
+@magics_class
+class FsdpMagics(Magics):
+    """The ``%fsdp`` family; one instance per IPython shell."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.pool: Any = None
+        self.auto = False
+        self._warned_subset = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_pool(self) -> Any:
+        if self.pool is None or not self.pool.running:
+            state = "" if self.pool is None else f" (the pool is {self.pool.state})"
+            hint = "%fsdp restart" if self.pool is not None else "%fsdp start -n 2"
+            raise UsageError(f"no running pool{state}; start one with {hint}")
+        return self.pool
+
+    # ------------------------------------------------------------------ %fsdp
+
+    @line_magic
+    def fsdp(self, line: str) -> Any:
+        """Manage the rank pool.
+
+        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S]
+        %fsdp stop | restart | status | interrupt
+        %fsdp push NAME [NAME ...]              copy kernel variables to every rank
+        %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
+                                                copy a rank value to the kernel; tensors (DTensor,
+                                                FSDP parameters) arrive as full CPU tensors
+        """
+        words = shlex.split(line)
+        if not words:
+            raise UsageError(f"%fsdp needs a command: one of {', '.join(_SUBCOMMANDS)}")
+        command, rest = words[0], shlex.join(words[1:])
+        if command not in _SUBCOMMANDS:
+            raise UsageError(
+                f"unknown %fsdp command {command!r}; type one of: "
+                + ", ".join(f"%fsdp {c}" for c in _SUBCOMMANDS)
+            )
+        return getattr(self, f"_fsdp_{command}")(rest)
+
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of ranks")
+    @argument("--devices", default=None, help="CUDA device indices like 0,1 or 'cpu'")
+    @argument("--backend", choices=("gloo", "nccl"), default=None)
+    @argument("--engines", default="local", help="ipyparallel launcher: local, ssh, slurm, mpi")
+    @argument("--timeout", type=float, default=120.0, help="start-up timeout in seconds")
+    def _fsdp_start(self, rest: str) -> None:
+        """%fsdp start"""
+        args = self._parse(self._fsdp_start, rest, "start")
+        if self.pool is not None and self.pool.running:
+            raise UsageError(
+                f"a pool with {self.pool.world_size} ranks is already running; "
+                "type %fsdp restart for a fresh group or %fsdp stop first"
+            )
+        devices: Any = None
+        if args.devices is not None:
+            if args.devices == "cpu":
+                devices = "cpu"
+            else:
+                try:
+                    devices = [int(d) for d in args.devices.split(",")]
+                except ValueError:
+                    raise UsageError(
+                        f"--devices {args.devices!r}: type device indices like --devices 0,1 "
+                        "or --devices cpu"
+                    ) from None
+        from fsdp_interactive.pool import Pool
+
+        try:
+            pool = Pool(
+                n=args.n,
+                devices=devices,
+                backend=args.backend,
+                engines=args.engines,
+                timeout=args.timeout,
+            )
+        except ValueError as error:
+            raise UsageError(f"%fsdp start: {error}") from None
+        self.pool = pool.start()
+
+    def _fsdp_stop(self, rest: str) -> None:
+        self._no_arguments("stop", rest)
+        if self.pool is not None:
+            self.pool.stop()
+        self.pool = None
+        self._set_auto(False)
+
+    def _fsdp_restart(self, rest: str) -> None:
+        self._no_arguments("restart", rest)
+        if self.pool is None:
+            raise UsageError("no pool to restart; start one with %fsdp start -n 2")
+        self.pool.restart()
+
+    def _fsdp_interrupt(self, rest: str) -> None:
+        self._no_arguments("interrupt", rest)
+        self._require_pool().interrupt()
+
+    def _fsdp_status(self, rest: str) -> None:
+        self._no_arguments("status", rest)
+        if self.pool is None:
+            print("no pool; start one with %fsdp start -n 2")
+            return
+        print(f"pool {self.pool.state}, {self.pool.world_size} ranks")
+        if not self.pool.running:
+            return
+        from fsdp_interactive.inspect import memory
+        from fsdp_interactive.notebook.render import memory_text, topology_text
+
+        print(topology_text(self.pool.topology))
+        print()
+        print(memory_text(self.pool.call(memory)))
+
+    def _fsdp_push(self, rest: str) -> None:
+        names = shlex.split(rest)
+        if not names:
+            raise UsageError("%fsdp push needs variable names: type e.g. %fsdp push lr batch_size")
+        pool = self._require_pool()
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(
+                f"%fsdp push: no variable {', '.join(map(repr, missing))} in the notebook; "
+                "define it first (push sends kernel variables to the ranks)"
+            )
+        pool.push({n: self.shell.user_ns[n] for n in names})
+
+    @magic_arguments()
+    @argument("expr", help="name (or expression) of the value on the ranks")
+    @argument("--rank", type=int, default=0, help="rank whose value is taken (default 0)")
+    @argument("--as", dest="as_name", default=None, help="kernel variable to store it in")
+    @argument("--max-bytes", type=int, default=_DEFAULT_PULL_LIMIT, help="size limit")
+    @argument("--force", action="store_true", help="pull whatever the size")
+    def _fsdp_pull(self, rest: str) -> None:
+        """%fsdp pull"""
+        args = self._parse(self._fsdp_pull, rest, "pull")
+        pool = self._require_pool()
+        target = args.as_name or args.expr
+        if not target.isidentifier():
+            raise UsageError(
+                f"%fsdp pull {args.expr}: not a plain name; add --as NAME to choose the kernel "
+                "variable"
+            )
+        if not 0 <= args.rank < pool.world_size:
+            raise UsageError(
+                f"--rank {args.rank} does not exist; the pool has ranks 0..{pool.world_size - 1}"
+            )
+        try:
+            compile(args.expr, "<pull>", "eval")
+        except SyntaxError:
+            raise UsageError(f"%fsdp pull {args.expr!r}: not a Python expression") from None
+        limit = None if args.force else args.max_bytes
+        code = (
+            "from fsdp_interactive.inspect import plain_copy as _fsdp_interactive_plain_copy\n"
+            f"{_PULL_SCRATCH} = _fsdp_interactive_plain_copy({args.expr}, {limit!r}, "
+            f"name={args.expr!r})\n"
+            "del _fsdp_interactive_plain_copy\n"
+        )
+        try:
+            pool.run(code, stream=False)
+            value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
+        except _rank_error_class() as error:
+            from fsdp_interactive.inspect._pull import TOO_LARGE
+
+            messages = [message for _, message in error.errors.values()]
+            if any(TOO_LARGE in m for m in messages):
+                raise UsageError(
+                    f"{messages[0]}; type %fsdp pull {args.expr} --force to pull it anyway, or "
+                    "raise --max-bytes"
+                ) from None
+            names = {name for name, _ in error.errors.values()}
+            if names == {"NameError"}:
+                raise UsageError(
+                    f"%fsdp pull: {messages[0]} on the ranks; check the name with "
+                    "%%fsdp print(dir())"
+                ) from None
+            raise _shown_as_message(error) from None
+        finally:
+            if pool.running:
+                pool.run(f"globals().pop({_PULL_SCRATCH!r}, None)", stream=False)
+        self.shell.user_ns[target] = value
+
+    def _parse(self, func: Any, rest: str, command: str) -> Any:
+        try:
+            return parse_argstring(func, rest)
+        except UsageError as error:
+            usage = func.parser.format_usage().replace("usage: ", "").strip()
+            raise UsageError(
+                f"%fsdp {command}: {error}\nusage: %fsdp {command} {usage.split(' ', 1)[-1]}"
+            ) from None
+
+    @staticmethod
+    def _no_arguments(command: str, rest: str) -> None:
+        if rest.strip():
+            raise UsageError(f"%fsdp {command} takes no arguments; type just %fsdp {command}")
+
+    # ------------------------------------------------------------------ %%fsdp
+
+    @magic_arguments()
+    @argument("--targets", "-t", default="all", help="ranks to run on: 0,2 | 0-1 | all")
+    @argument(
+        "--timeout", type=float, default=None, help="seconds before the hang watchdog reports"
+    )
+    @argument(
+        "--stream",
+        dest="stream",
+        action="store_true",
+        default=None,
+        help="show output while the ranks run (default)",
+    )
+    @argument("--no-stream", dest="stream", action="store_false", help="show output at the end")
+    @argument(
+        "--group-outputs",
+        choices=GROUPINGS,
+        default=None,
+        help="show every rank's output grouped by rank, type or order",
+    )
+    @argument("--local", action="store_true", help="also run the cell in the kernel")
+    @argument("-o", "--out", default=None, help="store the run's result (or timeout) under NAME")
+    @cell_magic("fsdp")
+    def fsdp_cell(self, line: str, cell: str) -> None:
+        """Run the cell on the ranks; any failing rank fails the cell.
+
+        Shows rank 0's output plus every rank's errors by default (identical texts once);
+        ``--group-outputs rank|type|order`` shows every rank.  Rich output from the ranks
+        (figures, HTML) is shown too.  On ``--timeout`` the error carries every rank's
+        stack; ``-o NAME`` keeps the timeout error so that ``NAME.wait()`` can keep waiting.
+        """
+        args = self._parse_cell(line)
+        pool = self._require_pool()
+        targets = parse_targets(args.targets, pool.world_size)
+        ranks = targets if targets is not None else list(range(pool.world_size))
+        if targets is not None and len(ranks) < pool.world_size and not self._warned_subset:
+            self._warned_subset = True
+            print(
+                f"[note: running on {', '.join(map(str, ranks))} only; a collective in this "
+                "cell would wait for the other ranks forever]",
+                file=sys.stderr,
+            )
+        stream = args.stream if args.stream is not None else _stream_default()
+        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None) if stream else None
+        with retained_metadata(pool):
+            try:
+                result = self._run_cell(pool, cell, targets, ranks, args, stream, sink)
+            except _pool_failures() as error:
+                raise _shown_as_message(error) from None
+        if args.out:
+            self.shell.user_ns[args.out] = result
+        if args.local:
+            self.shell.ex(self.shell.transform_cell(cell))
+
+    def _run_cell(
+        self,
+        pool: Any,
+        cell: str,
+        targets: Any,
+        ranks: list[int],
+        args: Any,
+        stream: bool,
+        sink: StreamSink | None,
+    ) -> Any:
+        since = message_count(pool)
+        try:
+            result = pool.run(
+                cell, targets=targets, timeout=args.timeout, stream=stream, on_output=sink
+            )
+        except TimeoutError as error:
+            if args.out:
+                self.shell.user_ns[args.out] = error
+            raise
+        except _rank_error_class():
+            if sink is not None:
+                sink.flush()
+            show_outputs(collect_outputs(pool, since, ranks), args.group_outputs, streamed=stream)
+            raise
+        if sink is not None:
+            sink.flush()
+        show_outputs(collect_outputs(pool, since, ranks), args.group_outputs, streamed=stream)
+        return result
+
+    def _parse_cell(self, line: str) -> Any:
+        try:
+            return parse_argstring(self.fsdp_cell, line)
+        except UsageError as error:
+            raise UsageError(
+                f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] "
+                "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME]"
+            ) from None
+
+    # ------------------------------------------------------------------ %fsdp_auto
+
+    @line_magic
+    def fsdp_auto(self, line: str) -> None:
+        """%fsdp_auto on|off: run following cells on the ranks.
+
+        While on, a cell that starts with ``%`` (any magic) or whose first line is
+        ``# local`` runs in the kernel instead.
+        """
+        word = line.strip().lower()
+        if word not in ("on", "off"):
+            raise UsageError("type %fsdp_auto on or %fsdp_auto off")
+        if word == "on":
+            self._require_pool()
+        self._set_auto(word == "on")
+
+    def _set_auto(self, on: bool) -> None:
+        transformers = self.shell.input_transformers_cleanup
+        if on and _auto_transform not in transformers:
+            transformers.append(_auto_transform)
+        if not on and _auto_transform in transformers:
+            transformers.remove(_auto_transform)
+        self.auto = on
+
+
+def _auto_transform(lines: list[str]) -> list[str]:
+    """Prefix ``%%fsdp`` to a cell unless it starts with ``%`` or ``# local`` or is empty."""
+    content = [line for line in lines if line.strip()]
+    if not content:
+        return lines
+    first = content[0].strip()
+    if first.startswith("%") or first.lower().startswith("# local"):
+        return lines
+    return ["%%fsdp\n", *lines]
+
+
+def _stream_default() -> bool:
+    """Stream unless ``IPP_NONINTERACTIVE`` is set (as ``%%px`` does, for nbval runs)."""
+    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the magics on ``ipython`` (``%load_ext fsdp_interactive``)."""
+    global _magics
+    _magics = FsdpMagics(ipython)
+    ipython.register_magics(_magics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Stop the pool the magics started and remove auto mode."""
+    global _magics
+    if _magics is not None:
+        _magics._set_auto(False)
+        if _magics.pool is not None:
+            _magics.pool.stop()
+        _magics = None

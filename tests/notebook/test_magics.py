@@ -1,0 +1,235 @@
+"""%fsdp / %%fsdp / %fsdp_auto through a real IPython shell against a real 2-rank pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from fsdp_interactive.notebook.magics import FsdpMagics, parse_targets
+from fsdp_interactive.pool import RankError, RankTimeout, RunResult
+
+
+def cell(shell, line, body):
+    return shell.run_cell_magic("fsdp", line, body)
+
+
+def test_default_shows_rank0_output_and_every_ranks_errors(pool_shell, pool, capsys):
+    cell(
+        pool_shell,
+        "--no-stream",
+        "import sys\nprint('hi from', rank)\nprint('warn', rank, file=sys.stderr)",
+    )
+    out, err = capsys.readouterr()
+    assert "hi from 0" in out and "hi from 1" not in out
+    assert "[rank 0:stderr] warn 0" in err and "[rank 1:stderr] warn 1" in err
+    assert "rank 1 printed other output" in out
+
+
+def test_streamed_output_is_shown_while_running(pool_shell, pool, capsys):
+    cell(pool_shell, "--stream", "import sys\nprint('streamed', rank)\nprint('e', file=sys.stderr)")
+    out, err = capsys.readouterr()
+    assert out.count("streamed 0") == 1 and "streamed 1" not in out
+    assert "[rank 0:stderr] e" in err and "[rank 1:stderr] e" in err
+
+
+def test_identical_outputs_are_grouped(pool_shell, pool, capsys):
+    cell(pool_shell, "--no-stream", "import sys\nprint('same', file=sys.stderr)")
+    _, err = capsys.readouterr()
+    assert err.count("[ranks 0,1:stderr] same") == 1
+    cell(pool_shell, "--no-stream --group-outputs rank", "print('same')")
+    out, _ = capsys.readouterr()
+    assert out.count("[ranks 0,1] same") == 1
+
+
+def test_group_outputs_type_and_order(pool_shell, pool, capsys):
+    code = "import sys\nprint('out', rank)\nprint('err', rank, file=sys.stderr)"
+    cell(pool_shell, "--no-stream --group-outputs type", code)
+    out, err = capsys.readouterr()
+    assert out.index("[rank 0] out 0") < out.index("[rank 1] out 1")
+    assert "[rank 0:stderr] err 0" in err and "[rank 1:stderr] err 1" in err
+    with capture_output() as captured:
+        cell(
+            pool_shell,
+            "--no-stream --group-outputs order",
+            "from IPython.display import HTML, display\n"
+            "display(HTML(f'<i>first {rank}</i>'))\ndisplay(HTML('<i>second</i>'))",
+        )
+    html = [o.data.get("text/html") for o in captured.outputs]
+    assert html == ["<i>first 0</i>", "<i>first 1</i>", "<i>second</i>"]
+    assert "[ranks 0,1: output 1]" in captured.stdout
+
+
+def test_rich_output_and_last_value_from_rank0_are_shown(pool_shell, pool):
+    with capture_output() as captured:
+        cell(
+            pool_shell,
+            "--no-stream",
+            "from IPython.display import HTML, display\ndisplay(HTML('<b>bold</b>'))\nrank + 40",
+        )
+    data = [o.data for o in captured.outputs]
+    assert data[0]["text/html"] == "<b>bold</b>"
+    assert data[1]["text/plain"] == "40"
+
+
+def test_failing_rank_fails_the_cell(pool_shell, pool):
+    result = pool_shell.run_cell(
+        "%%fsdp --no-stream\nif rank == 1:\n    raise ValueError('bad rank')"
+    )
+    assert not result.success
+    error = result.error_in_exec
+    assert isinstance(error, RankError) and error.ranks == [1]
+    assert "bad rank" in str(error)
+    assert "ValueError: bad rank" in "\n".join(error._render_traceback_())
+
+
+def test_timeout_shows_every_ranks_stack(pool_shell, pool):
+    body = "import time\nif rank == 1:\n    time.sleep(4)\ndist.barrier()\n"
+    with pytest.raises(RankTimeout) as info:
+        cell(pool_shell, "--timeout 1 -o timed_out --no-stream", body)
+    error = info.value
+    assert set(error.stacks) == {0, 1}
+    assert "sleep" in error.where[1]
+    assert "barrier" in error.stacks[0]
+    assert pool_shell.user_ns["timed_out"] is error
+    error.wait(60)  # let the run finish so that the group is clean again
+
+
+def test_targets_run_on_chosen_ranks_only(pool_shell, pool, capsys):
+    cell(pool_shell, "--no-stream", "targeted = -1")
+    cell(pool_shell, "--targets 1 --no-stream", "targeted = rank\nprint('ran on', rank)")
+    out, _ = capsys.readouterr()
+    assert "ran on 1" in out
+    assert pool.pull("targeted") == [-1, 1]
+
+
+def test_bad_targets_and_options_say_what_to_type(pool_shell, pool):
+    with pytest.raises(UsageError, match=r"--targets 0-1 or --targets all"):
+        cell(pool_shell, "--targets 5", "pass")
+    with pytest.raises(UsageError, match=r"--targets 0, --targets 0,1"):
+        cell(pool_shell, "--targets x", "pass")
+    with pytest.raises(UsageError, match=r"usage: %%fsdp \[--targets"):
+        cell(pool_shell, "--bogus", "pass")
+    with pytest.raises(UsageError, match=r"unknown %fsdp command 'launch'.*%fsdp start"):
+        pool_shell.run_line_magic("fsdp", "launch")
+    with pytest.raises(UsageError, match=r"already running.*%fsdp restart"):
+        pool_shell.run_line_magic("fsdp", "start")
+    with pytest.raises(UsageError, match="takes no arguments"):
+        pool_shell.run_line_magic("fsdp", "status now")
+    with pytest.raises(UsageError, match="%fsdp_auto on or %fsdp_auto off"):
+        pool_shell.run_line_magic("fsdp_auto", "maybe")
+
+
+def test_parse_targets():
+    assert parse_targets("all", 4) is None
+    assert parse_targets("0,2", 4) == [0, 2]
+    assert parse_targets("1-3", 4) == [1, 2, 3]
+
+
+def test_no_pool_is_a_usage_error(shell):
+    magics = FsdpMagics(shell)
+    with pytest.raises(UsageError, match=r"no running pool.*%fsdp start -n 2"):
+        magics.fsdp_cell("", "x = 1")
+    with pytest.raises(UsageError, match="no running pool"):
+        magics.fsdp("push x")
+
+
+def test_local_also_runs_in_the_kernel_and_out_keeps_the_result(pool_shell, pool):
+    pool_shell.user_ns.pop("both", None)
+    cell(pool_shell, "--local --no-stream -o run", "both = 7\nprint('x')")
+    assert pool_shell.user_ns["both"] == 7
+    assert pool.pull("both") == [7, 7]
+    run = pool_shell.user_ns["run"]
+    assert isinstance(run, RunResult) and run.ranks == [0, 1]
+
+
+def test_push_and_pull(pool_shell, pool):
+    pool_shell.user_ns.update(lr=0.5, names=["a", "b"])
+    pool_shell.run_line_magic("fsdp", "push lr names")
+    assert pool.pull("lr") == [0.5, 0.5] and pool.pull("names") == [["a", "b"]] * 2
+    with pytest.raises(UsageError, match="no variable 'missing' in the notebook"):
+        pool_shell.run_line_magic("fsdp", "push missing")
+    cell(pool_shell, "--no-stream", "scaled = lr * (rank + 1)")
+    pool_shell.run_line_magic("fsdp", "pull scaled --rank 1")
+    assert pool_shell.user_ns["scaled"] == 1.0
+    with pytest.raises(UsageError, match=r"no variable|not defined"):
+        pool_shell.run_line_magic("fsdp", "pull not_there")
+    with pytest.raises(UsageError, match="--rank 3 does not exist"):
+        pool_shell.run_line_magic("fsdp", "pull scaled --rank 3")
+
+
+def test_pull_gathers_a_dtensor_parameter_as_a_plain_cpu_tensor(pool_shell, pool):
+    cell(
+        pool_shell,
+        "--no-stream",
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "torch.manual_seed(0)\n"
+        "pulled_model = torch.nn.Linear(5, 3)\n"
+        "fully_shard(pulled_model, mesh=init_device_mesh('cpu', (world_size,)))\n"
+        "big = torch.zeros(300, 300)\n",
+    )
+    pool_shell.run_line_magic("fsdp", "pull pulled_model.weight --as w")
+    w = pool_shell.user_ns["w"]
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(5, 3).weight.detach()
+    assert type(w) is torch.Tensor and w.device.type == "cpu"
+    assert torch.equal(w, expected)
+    with pytest.raises(UsageError, match=r"too large.*--force"):
+        pool_shell.run_line_magic("fsdp", "pull big --max-bytes 1000")
+    pool_shell.run_line_magic("fsdp", "pull big --max-bytes 1000 --force")
+    assert pool_shell.user_ns["big"].shape == (300, 300)
+
+
+def test_auto_mode_runs_cells_on_the_ranks(pool_shell, pool):
+    pool_shell.user_ns.pop("auto_value", None)
+    pool_shell.run_line_magic("fsdp_auto", "on")
+    try:
+        assert pool_shell.run_cell("auto_value = rank + 10").success
+        assert pool_shell.run_cell("# local\nlocal_value = 3").success
+        assert pool_shell.run_cell("%fsdp status").success
+    finally:
+        pool_shell.run_line_magic("fsdp_auto", "off")
+    assert "auto_value" not in pool_shell.user_ns
+    assert pool.pull("auto_value") == [10, 11]
+    assert pool_shell.user_ns["local_value"] == 3
+    pool_shell.run_cell("after_auto = 1")
+    assert pool_shell.user_ns["after_auto"] == 1
+
+
+def test_status_shows_topology_and_memory(pool_shell, pool, capsys):
+    pool_shell.run_line_magic("fsdp", "status")
+    out, _ = capsys.readouterr()
+    assert "pool running, 2 ranks" in out
+    for record in pool.topology:
+        assert str(record.pid) in out
+    assert "RSS" in out and "MiB" in out
+
+
+def test_interrupt_stops_a_running_cell(pool_shell, pool):
+    timer = threading.Timer(2.0, lambda: pool_shell.run_line_magic("fsdp", "interrupt"))
+    timer.start()
+    started = time.monotonic()
+    try:
+        result = pool_shell.run_cell(
+            "%%fsdp --no-stream\nimport time\nfor _ in range(600):\n    time.sleep(0.1)"
+        )
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 50
+    assert not result.success
+    error = result.error_in_exec
+    assert isinstance(error, RankError)
+    assert {name for name, _ in error.errors.values()} == {"KeyboardInterrupt"}
+
+
+def test_restart_gives_a_fresh_group(pool_shell, pool):
+    cell(pool_shell, "--no-stream", "before_restart = 1")
+    pool_shell.run_line_magic("fsdp", "restart")
+    result = pool_shell.run_cell("%%fsdp --no-stream\nbefore_restart")
+    assert isinstance(result.error_in_exec, RankError)
+    assert {name for name, _ in result.error_in_exec.errors.values()} == {"NameError"}
