@@ -69,6 +69,10 @@ def local_slice(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
     return view
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 @torch.no_grad()
 def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
     """Give each full parameter the full gradient of its sharded parameter."""
@@ -90,6 +94,8 @@ def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
                 local, slot.sharded.device_mesh, slot.sharded.placements, run_check=False
             )
         full_grad = grad.full_tensor()
+        if _shares_storage(full_grad, grad._local_tensor):
+            full_grad = full_grad.clone()
         if slot.full is not None:
             slot.full.grad = full_grad.to(slot.full.device)
 
@@ -125,6 +131,8 @@ def summon_units(
                         if keep_full:
                             if offload_to_cpu:
                                 full = full.cpu()
+                            if _shares_storage(full, slot.sharded._local_tensor):
+                                full = full.clone()  # unsharded meshes return the shard itself
                             full_of[key] = nn.Parameter(
                                 full, requires_grad=slot.sharded.requires_grad
                             )

@@ -22,8 +22,8 @@ What differs from torch's FSDP1 (and why):
 * ``limit_all_gathers=False``, ``BACKWARD_POST`` and ``keep_low_precision_grads`` warn once
   and run as described in :mod:`._config`.
 
-State dicts and optimizer state dicts are a separate layer; until it lands, the methods of
-that family raise ``NotImplementedError`` saying so.
+State dicts and optimizer state dicts are a separate layer (:mod:`._state_dict_utils`,
+:mod:`._optim_utils`); the methods of that family delegate to it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch.distributed.fsdp.wrap import _Policy
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from fsdp_interactive.fsdp import _init, _summon
+from fsdp_interactive.fsdp import _init, _optim_utils, _state_dict_utils, _summon
 from fsdp_interactive.fsdp._config import (
     UnitConfig,
     mixed_precision_policy,
@@ -68,8 +68,6 @@ from fsdp_interactive.fsdp._wrapping import select_units, wrap_bottom_up
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 _PREFIX = FSDP_WRAPPED_MODULE + "."
-
-_STATE_DICT_LAYER = "lands with the state-dict layer"
 
 
 def clean_name(name: str) -> str:
@@ -209,6 +207,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_forward_order: list[FullyShardedDataParallel] | None = None
         self._comm_hook: Callable | None = None
         self._comm_hook_state: object = None
+        self._comm_hook_runner: object = None
         self._buffer_original_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
 
         owned = _init.unit_modules(module, is_unit, ignored.modules)
@@ -217,19 +216,20 @@ class FullyShardedDataParallel(nn.Module):
         if config.sync_module_states:
             _init.broadcast_from_rank0(owned, ignored.params, config.layout.mesh)
         self._cast_buffers(owned)
-        unit_params = {p for m in owned for p in m.parameters(recurse=False)}
+        ignored_here = {p for p in module.parameters() if p in ignored.params}
         fully_shard(
             module,
             mesh=config.layout.mesh,
             reshard_after_forward=config.reshard_after_forward,
             mp_policy=config.mp_policy,
             offload_policy=config.offload_policy,
-            ignored_params=set(ignored.params & unit_params) or None,
+            ignored_params=ignored_here or None,
         )
         if config.backward_prefetch is None:
             # An explicit list disables fully_shard's implicit next-unit prefetch; prefetching
             # the unit itself is a no-op (it is already unsharded when its backward starts).
             module.set_modules_to_backward_prefetch([module])
+        _state_dict_utils.install_state_dict_hooks(self)
 
     def _cast_buffers(self, owned: list[nn.Module]) -> None:
         mp = self._fsdp_config.mixed_precision
@@ -555,7 +555,7 @@ class FullyShardedDataParallel(nn.Module):
         register_comm_hook(self, state, hook)
 
     # ------------------------------------------------------------------ state-dict family
-    # Provided by the state-dict layer; signatures are FSDP1's.
+    # Provided by the state-dict layer (._state_dict_utils, ._optim_utils); signatures are FSDP1's.
 
     @staticmethod
     def set_state_dict_type(
@@ -564,11 +564,13 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_config: StateDictConfig | None = None,
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
-        raise NotImplementedError(f"set_state_dict_type {_STATE_DICT_LAYER}")
+        return _state_dict_utils.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        raise NotImplementedError(f"get_state_dict_type {_STATE_DICT_LAYER}")
+        return _state_dict_utils.get_state_dict_type(module)  # type: ignore[return-value]
 
     @staticmethod
     @contextlib.contextmanager
@@ -578,8 +580,10 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_config: StateDictConfig | None = None,
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator:
-        raise NotImplementedError(f"state_dict_type {_STATE_DICT_LAYER}")
-        yield
+        with _state_dict_utils.state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        ):
+            yield
 
     @staticmethod
     def full_optim_state_dict(
@@ -589,7 +593,7 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"full_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(
@@ -597,7 +601,7 @@ class FullyShardedDataParallel(nn.Module):
         optim: torch.optim.Optimizer,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"sharded_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -606,7 +610,9 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"shard_full_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.shard_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim
+        )
 
     @staticmethod
     def flatten_sharded_optim_state_dict(
@@ -614,7 +620,7 @@ class FullyShardedDataParallel(nn.Module):
         model: nn.Module,
         optim: torch.optim.Optimizer,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"flatten_sharded_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -624,7 +630,9 @@ class FullyShardedDataParallel(nn.Module):
         optim: torch.optim.Optimizer | None = None,
         group: Any | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"scatter_full_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.scatter_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -634,7 +642,9 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"rekey_optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.rekey_optim_state_dict(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
 
     @staticmethod
     def optim_state_dict(
@@ -643,7 +653,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"optim_state_dict {_STATE_DICT_LAYER}")
+        return _optim_utils.optim_state_dict(model, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -654,7 +664,9 @@ class FullyShardedDataParallel(nn.Module):
         load_directly: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(f"optim_state_dict_to_load {_STATE_DICT_LAYER}")
+        return _optim_utils.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
 
     # ------------------------------------------------------------------ end of state-dict family
 

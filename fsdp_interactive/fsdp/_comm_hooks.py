@@ -1,0 +1,166 @@
+"""``register_comm_hook``: FSDP1 communication hooks on ``fully_shard``'s reduction path.
+
+FSDP1 calls a registered hook instead of its own gradient reduction, with no pre/post
+division of its own (the hook divides, e.g. through ``DefaultState``):
+
+* sharded units (FULL_SHARD, SHARD_GRAD_OP): ``hook(state, grad, output)``, where ``grad`` is
+  the unit's flat, padded, unsharded local gradient laid out rank chunk after rank chunk and
+  ``output`` receives this rank's reduced chunk. Here the hook becomes the unit's custom
+  reduce-scatter (``FSDPModule.set_custom_reduce_scatter``); ``fully_shard``'s own division is
+  switched off (``set_gradient_divide_factor(1.0)``).
+* NO_SHARD units: ``hook(state, grad)`` reduces the whole local gradient in place. The NO_SHARD
+  mesh has a shard dimension of size one, so the reduce-scatter is a copy and the engine's
+  native all-reduce over the replicate dimension would follow. The unit's parameter group
+  is switched to a shard-only view of the same mesh (the native all-reduce no longer runs)
+  and the hook runs as its all-reduce hook (``set_all_reduce_hook``). This relies on
+  ``fully_shard``'s parameter-group internals (``mesh_info``), checked by the tests.
+
+Torch's default hooks (``torch.distributed.algorithms._comm_hooks.default_hooks``:
+``allreduce_hook``, ``reduce_scatter_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``)
+follow these signatures. The two compression hooks call ``Tensor.record_stream``, which CPU
+tensors do not support (so they fail on CPU under torch's FSDP1 too); on a CPU compute device
+they are replaced by :func:`low_precision_hook`, which does the same casts and reductions
+without stream bookkeeping. As in FSDP1: root only, one registration per model, hybrid
+strategies are not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.distributed.fsdp.api import ShardingStrategy
+
+from fsdp_interactive.fsdp._mesh import HYBRID_STRATEGIES
+from fsdp_interactive.fsdp._traversal import units
+
+if TYPE_CHECKING:
+    from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+
+def low_precision_hook(
+    dtype: torch.dtype,
+    state: default_hooks.DefaultState,
+    grad: torch.Tensor,
+    output: torch.Tensor | None = None,
+) -> None:
+    """Torch's fp16/bf16 compression hook without ``record_stream`` (usable on CPU).
+
+    Reduces ``grad`` cast to ``dtype`` with torch's ``reduce_scatter_hook`` (into ``output``)
+    or ``allreduce_hook`` (in place), then writes the result back in the original dtype.
+    """
+    low = grad.to(dtype)
+    if output is None:
+        default_hooks.allreduce_hook(state, low)
+        grad.copy_(low)
+    else:
+        low_out = torch.empty_like(output, dtype=dtype)
+        default_hooks.reduce_scatter_hook(state, low, low_out)
+        output.copy_(low_out)
+
+
+_CPU_REPLACEMENTS = {
+    default_hooks.fp16_compress_hook: functools.partial(low_precision_hook, torch.float16),
+    default_hooks.bf16_compress_hook: functools.partial(low_precision_hook, torch.bfloat16),
+}
+
+
+def _for_device(hook: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    """``hook``, or its CPU-capable equivalent (see the module docstring)."""
+    if device.type == "cpu":
+        return _CPU_REPLACEMENTS.get(hook, hook)
+    return hook
+
+
+class HookReduceScatter(ReduceScatter):
+    """A ``fully_shard`` reduce-scatter that calls an FSDP1 hook ``hook(state, grad, output)``.
+
+    ``calls`` counts invocations (the reduction really went through the hook).
+    """
+
+    def __init__(self, state: object, hook: Callable[..., None]):
+        self.state = state
+        self.hook = hook
+        self.calls = 0
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> None:
+        self.calls += 1
+        self.hook(self.state, input_tensor, output_tensor)
+
+
+class HookAllReduce:
+    """A ``fully_shard`` all-reduce hook that calls an FSDP1 hook ``hook(state, grad)``."""
+
+    def __init__(self, state: object, hook: Callable[..., None]):
+        self.state = state
+        self.hook = hook
+        self.calls = 0
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.calls += 1
+        self.hook(self.state, reduce_output)
+
+
+def _route_no_shard_through_hook(unit: FullyShardedDataParallel, runner: HookAllReduce) -> None:
+    inner = unit.fsdp_module
+    for group in inner._get_fsdp_state()._fsdp_param_groups:
+        old = group.mesh_info
+        shard_only = FSDPMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim)
+        if group.post_forward_mesh_info is old:
+            group.post_forward_mesh_info = shard_only
+        group.mesh_info = shard_only
+    inner.set_all_reduce_hook(runner)
+
+
+def register_comm_hook(
+    root: FullyShardedDataParallel, state: object, hook: Callable[..., None]
+) -> None:
+    """Install ``hook`` on every unit of ``root`` (see the module docstring)."""
+    if not root.check_is_root():
+        raise RuntimeError("register_comm_hook can only be called on the root FSDP unit")
+    if not callable(hook):
+        raise ValueError(f"hook must be callable, got {type(hook).__name__}")
+    all_units = units(root)
+    for unit in all_units:
+        if unit.sharding_strategy in HYBRID_STRATEGIES:
+            raise NotImplementedError(
+                f"communication hooks are not supported for hybrid strategies "
+                f"({unit.sharding_strategy.name}), as in FSDP1"
+            )
+        if unit._comm_hook is not None:
+            raise RuntimeError("a communication hook is already registered on this model")
+    root._check_idle("register_comm_hook()")
+    user_hook = hook
+    hook = _for_device(hook, root.compute_device)
+    for unit in all_units:
+        inner = unit.fsdp_module
+        if not inner._get_fsdp_state()._fsdp_param_groups:
+            unit._comm_hook, unit._comm_hook_state = user_hook, state
+            continue
+        if unit.sharding_strategy == ShardingStrategy.NO_SHARD:
+            runner: HookReduceScatter | HookAllReduce = HookAllReduce(state, hook)
+            _route_no_shard_through_hook(unit, runner)
+        else:
+            runner = HookReduceScatter(state, hook)
+            inner.set_custom_reduce_scatter(runner)
+        inner.set_gradient_divide_factor(1.0)
+        unit._comm_hook, unit._comm_hook_state = user_hook, state
+        unit._comm_hook_runner = runner
