@@ -216,7 +216,31 @@ def optimizer_state(
     }
     if cpu_offload and not dcp_offload:
         osd = to_cpu(osd)
+    if full:
+        osd = _detach_from(osd, _live_storages(optimizer))
     return osd
+
+
+def _live_storages(optimizer: torch.optim.Optimizer) -> set[int]:
+    ptrs = set()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                ptrs.add(local.untyped_storage().data_ptr())
+    return ptrs
+
+
+def _detach_from(obj: Any, live: set[int]) -> Any:
+    """Clone the tensors that still share storage with live optimizer state (e.g. Adam's
+    scalar ``step``, which a later ``step()`` increments in place)."""
+
+    def copy_if_live(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor) and t.untyped_storage().data_ptr() in live:
+            return t.detach().clone()
+        return t
+
+    return _map_tensors(obj, copy_if_live)
 
 
 def apply_model_state(

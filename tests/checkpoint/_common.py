@@ -130,3 +130,14 @@ def structure(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return ("tensor", tuple(obj.shape), str(obj.dtype))
     return obj
+
+
+def snapshot(obj: Any) -> Any:
+    """Deep copy of the tensors in a nested state (state dicts hold live references)."""
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    return obj
