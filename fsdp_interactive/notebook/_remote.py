@@ -115,5 +115,7 @@ class RankModel:
     def names(self) -> tuple[list[str], list[str]]:
         """(parameter FQNs, module FQNs that own parameters), from the layout."""
         params = [p.fqn for p in self.layout().params]
-        modules = sorted({p.rsplit(".", 1)[0] for p in params if "." in p})
+        modules = sorted(
+            {".".join(p.split(".")[:depth]) for p in params for depth in range(1, p.count(".") + 1)}
+        )
         return params, modules

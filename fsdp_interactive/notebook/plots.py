@@ -80,29 +80,38 @@ def layout_figure(model_layout: ModelLayout, max_params: int = 40) -> Figure:
     bars.set_xlabel("fraction of the parameter's elements (hatched: padding)")
     bars.set_title("which rank holds which slice")
     ranks = [t.rank for t in model_layout.ranks]
+    unit, scale = _byte_unit(max((t.total_bytes for t in model_layout.ranks), default=0))
     bottom = [0.0] * len(ranks)
-    for label, attr, alpha in (
-        ("params", "param_bytes", 1.0),
-        ("grads", "grad_bytes", 0.7),
-        ("optimizer", "optim_bytes", 0.45),
-        ("buffers", "buffer_bytes", 0.25),
+    for label, attr, pattern in (
+        ("params", "param_bytes", ""),
+        ("grads", "grad_bytes", ".."),
+        ("optimizer", "optim_bytes", "xx"),
+        ("buffers", "buffer_bytes", "--"),
     ):
-        values = [getattr(t, attr) / 2**20 for t in model_layout.ranks]
+        values = [getattr(t, attr) / scale for t in model_layout.ranks]
         totals.bar(
             [f"rank {r}" for r in ranks],
             values,
             bottom=bottom,
             label=label,
             color=[rank_color(r) for r in ranks],
-            alpha=alpha,
+            hatch=pattern,
             edgecolor="black",
         )
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    totals.set_ylabel("MiB")
+    totals.set_ylabel(unit)
+    totals.set_ylim(0, max(bottom, default=0) * 1.12 or 1)
     totals.set_title("memory per rank")
-    totals.legend(fontsize=7)
+    totals.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     figure.tight_layout()
     return figure
+
+
+def _byte_unit(largest: float) -> tuple[str, float]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return unit, float(scale)
+    return "bytes", 1.0
 
 
 def _flat_start(shape: Sequence[int], offset: Sequence[int]) -> int:
@@ -135,6 +144,7 @@ def histogram_figure(stats: TensorStats) -> Figure:
     )
     axes.set_xlabel("value")
     axes.set_ylabel("count")
+    axes.yaxis.get_major_locator().set_params(integer=True)
     figure.tight_layout()
     return figure
 

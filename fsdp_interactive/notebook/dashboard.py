@@ -1,0 +1,108 @@
+"""Dashboard: topology, memory, layout, gradient norms and summon in one place."""
+
+from __future__ import annotations
+
+import html as html_lib
+from typing import Any
+
+from fsdp_interactive.inspect._records import MemoryStats
+from fsdp_interactive.notebook._format import figure_html, figure_png
+from fsdp_interactive.notebook._remote import RankModel
+from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook.grad_norm_view import GradNormView
+from fsdp_interactive.notebook.layout_view import LayoutView
+from fsdp_interactive.notebook.monitor import GradNormMonitor
+from fsdp_interactive.notebook.plots import memory_figure
+from fsdp_interactive.notebook.render import (
+    memory_html,
+    memory_text,
+    topology_html,
+    topology_text,
+)
+from fsdp_interactive.notebook.summon_panel import SummonPanel
+
+
+class Dashboard(View):
+    """All views of one model on the ranks; ``refresh()`` updates every part.
+
+    Parts: ``layout`` (LayoutView), ``grads`` (GradNormView), ``summon`` (SummonPanel),
+    ``monitor`` (GradNormMonitor, when given) and ``checkpoints`` (a CheckpointPanel, when
+    given), plus the pool's topology and every rank's memory (``memory``).
+    """
+
+    def __init__(
+        self,
+        source: RankModel,
+        monitor: GradNormMonitor | None = None,
+        checkpoints: Any = None,
+    ):
+        if not isinstance(source, RankModel):
+            raise TypeError(f"source must be a RankModel, got {type(source).__name__}")
+        self.source = source
+        self.memory: list[MemoryStats] = source.memory()
+        self.layout = LayoutView(source)
+        self.grads = GradNormView(source)
+        self.summon = SummonPanel(source)
+        self.monitor = monitor
+        self.checkpoints = checkpoints
+
+    def refresh(self) -> None:
+        self.memory = self.source.memory()
+        self.layout.refresh()
+        self.grads.refresh()
+        self.summon.select(self.summon.fqn)
+        if self.monitor is not None:
+            self.monitor.poll()
+        if self.checkpoints is not None:
+            self.checkpoints.refresh()
+        self._changed()
+
+    def _parts(self) -> list[tuple[str, View]]:
+        parts: list[tuple[str, View]] = [
+            ("Layout", self.layout),
+            ("Gradients", self.grads),
+            ("Summon", self.summon),
+        ]
+        if self.monitor is not None:
+            parts.append(("Monitor", self.monitor))
+        if self.checkpoints is not None:
+            parts.append(("Checkpoints", self.checkpoints))
+        return parts
+
+    def text(self) -> str:
+        sections = [
+            "== ranks ==\n" + topology_text(self.source.topology()),
+            "== memory ==\n" + memory_text(self.memory),
+        ]
+        sections += [f"== {name.lower()} ==\n{part.text()}" for name, part in self._parts()]
+        return "\n\n".join(sections)
+
+    def html(self) -> str:
+        sections = [
+            "<h4>ranks</h4>" + topology_html(self.source.topology()),
+            "<h4>memory</h4>"
+            + memory_html(self.memory)
+            + figure_html(memory_figure(self.memory), "memory per rank"),
+        ]
+        sections += [
+            f"<h4>{html_lib.escape(name)}</h4>{part.html()}" for name, part in self._parts()
+        ]
+        return "".join(sections)
+
+    def _build_widget(self) -> Any:
+        import ipywidgets as w
+
+        self._ranks = w.HTML()
+        self._memory_image = w.Image(format="png")
+        self._refresh_button = w.Button(description="Refresh all", icon="refresh")
+        self._refresh_button.on_click(lambda _: self.refresh())
+        overview = w.VBox([self._ranks, self._memory_image])
+        children = [overview] + [part.widget for _, part in self._parts()]
+        tabs = w.Tab(children=children)
+        for index, title in enumerate(["Ranks"] + [name for name, _ in self._parts()]):
+            tabs.set_title(index, title)
+        return w.VBox([self._refresh_button, tabs])
+
+    def _update_widget(self) -> None:
+        self._ranks.value = topology_html(self.source.topology()) + memory_html(self.memory)
+        self._memory_image.value = figure_png(memory_figure(self.memory))

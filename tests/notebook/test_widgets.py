@@ -1,0 +1,226 @@
+"""Views against the real pool: drive the controls, compare with rank-side truth."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_interactive.inspect import record_to_json
+from fsdp_interactive.notebook import (
+    Dashboard,
+    GradNormMonitor,
+    GradNormView,
+    LayoutView,
+    RankModel,
+    SummonPanel,
+)
+
+SETUP = """
+from tests.inspect.models import backward, sharded_and_reference
+from fsdp_interactive.inspect import GradNormRecorder
+widget_model, widget_reference = sharded_and_reference()
+widget_optim = torch.optim.Adam(widget_model.parameters(), lr=0.01)
+backward(widget_model)
+widget_optim.step()
+widget_optim.zero_grad()
+backward(widget_model)
+"""
+
+
+def figures_dir(tmp_path: Path) -> Path:
+    """PNGs go to out/figures when that folder can be made (kept for looking), else tmp."""
+    target = Path(__file__).resolve().parents[2] / "out" / "figures"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return tmp_path
+    return target
+
+
+@pytest.fixture(scope="module")
+def source(pool_shell):
+    from fsdp_interactive.notebook.magics import current_pool
+
+    pool = current_pool()
+    pool.run(SETUP, stream=False)
+    try:
+        yield RankModel(pool, "widget_model", optimizer="widget_optim", recorder="widget_recorder")
+    finally:
+        if pool.running:
+            pool.run("del widget_model, widget_reference, widget_optim", stream=False)
+
+
+def as_json(records):
+    """Records as comparable dicts (NaN != NaN in the dataclasses themselves)."""
+    return [record_to_json(r) for r in records]
+
+
+def rank_truth(pool, expression):
+    pool.run(f"_truth = {expression}", stream=False)
+    return pool.pull("_truth")
+
+
+def test_layout_view_matches_the_ranks(source, tmp_path):
+    view = LayoutView(source)
+    layout = view.data
+    reference_bytes = rank_truth(
+        source.pool, "sum(p.numel() * p.element_size() for p in widget_reference.parameters())"
+    )[0]
+    assert layout.model_bytes == reference_bytes
+    assert sum(layout.held_bytes(r) for r in range(2)) == reference_bytes
+    local_bytes = rank_truth(
+        source.pool,
+        "sum(p.to_local().numel() * p.element_size() for p in widget_model.parameters())",
+    )
+    assert [layout.held_bytes(r) for r in range(2)] == local_bytes
+    widget = view.widget
+    for name in ("embed.weight", "block.2.bias"):
+        assert name in view._table.value and name in view.text()
+    view._refresh_button.click()
+    assert view.data == layout
+    assert view._image.value[:4] == b"\x89PNG"
+    view.figure().savefig(figures_dir(tmp_path) / "layout.png")
+    assert widget is view.widget
+
+
+def test_grad_norm_view_global_norm_is_clip_grad_norms(source, tmp_path):
+    clip_total = rank_truth(
+        source.pool,
+        "float(torch.nn.utils.clip_grad_norm_(widget_model.parameters(), 1e9).full_tensor())",
+    )
+    view = GradNormView(source)
+    widget = view.widget
+    assert view.data.total == pytest.approx(clip_total[0], rel=1e-5)
+    assert f"{view.data.total:.8g}" in view._total.value
+    assert "block.0.weight" in view._table.value
+    view._toggle.value = "modules"
+    assert view.by == "modules" and "block" in view._table.value
+    assert "block.0.weight" not in view._table.value
+    view.figure().savefig(figures_dir(tmp_path) / "grad_norms_modules.png")
+    view._refresh_button.click()
+    assert view.data.total == pytest.approx(clip_total[0], rel=1e-5)
+    assert widget is view.widget
+
+
+def test_summon_panel_stats_and_confirmed_edit(source, tmp_path):
+    panel = SummonPanel(source, fqn="embed.weight")
+    assert panel.widget is not None
+    full = rank_truth(source.pool, "widget_model.block[0].weight.full_tensor().detach()")[
+        0
+    ].double()
+    panel._choice.value = "block.0.weight"
+    assert panel.fqn == "block.0.weight"
+    assert panel.data.mean == pytest.approx(float(full.mean()), rel=1e-9)
+    assert panel.data.std == pytest.approx(float(full.std()), rel=1e-9)
+    assert panel.data.max == float(full.max())
+    assert f"{panel.data.mean:.6g}" in panel._stats.value
+    panel.figure().savefig(figures_dir(tmp_path) / "summon_histogram.png")
+
+    panel._expression.value = "x[0] = 0"
+    panel._apply_button.click()
+    assert panel.pending == "x[0] = 0" and not panel._confirm_button.disabled
+    unchanged = rank_truth(source.pool, "widget_model.block[0].weight.full_tensor().detach()")[0]
+    assert torch.equal(unchanged, full.float())  # nothing written before Confirm
+    panel._confirm_button.click()
+    edited = rank_truth(source.pool, "widget_model.block[0].weight.full_tensor().detach()")
+    expected = full.float().clone()
+    expected[0] = 0
+    assert all(torch.equal(e, expected) for e in edited)
+    assert panel.data.min <= 0 <= panel.data.max and "applied" in panel._status.value
+    with pytest.raises(ValueError, match="confirm=True"):
+        panel.apply("x * 2")
+    with pytest.raises(ValueError, match="not a parameter or module"):
+        panel.select("nope")
+    panel._choice.value = "block"
+    assert panel.data.names == ("block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias")
+    assert panel._apply_button.disabled
+
+
+TRAIN = """
+widget_recorder = GradNormRecorder(widget_model, log_path={log!r}).attach(widget_optim)
+for step in range({steps}):
+    widget_optim.zero_grad()
+    backward(widget_model, seed=100 + step)
+    if step == {nan_step}:  # record the bad step, skip the update (as a guard would)
+        widget_model.embed.bias.grad.to_local().fill_(float("nan"))
+        widget_recorder.record()
+        continue
+    widget_optim.step()
+"""
+
+MORE = """
+import time
+for step in range(3):
+    widget_optim.zero_grad()
+    backward(widget_model, seed=200 + step)
+    widget_optim.step()
+    time.sleep(0.3)
+"""
+
+
+def test_monitor_follows_the_recorder_while_training(source, tmp_path):
+    log = str(tmp_path / "norms.jsonl")
+    pool = source.pool
+    pool.run(TRAIN.format(log=log, steps=6, nan_step=4), stream=False)
+    try:
+        monitor = GradNormMonitor(log_path=log)
+        new = monitor.poll()
+        truth = rank_truth(pool, "widget_recorder.history()")
+        assert as_json(new) == as_json(truth[0]) == as_json(truth[1])
+        assert monitor.nonfinite_steps == [4]
+        assert "NaN/Inf at steps: [4]" in monitor.text()
+        assert monitor.widget is not None
+        monitor.follow(interval=0.1)
+        pool.run(MORE, stream=False)
+        deadline = time.monotonic() + 10
+        while len(monitor.records) < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monitor.stop()
+        assert [r.step for r in monitor.records] == list(range(9))
+        assert as_json(monitor.records) == as_json(rank_truth(pool, "widget_recorder.history()")[0])
+        monitor.figure().savefig(figures_dir(tmp_path) / "grad_norm_history.png")
+
+        from_ranks = GradNormMonitor(source)
+        assert as_json(from_ranks.poll()) == as_json(monitor.records)
+        assert from_ranks.poll() == []
+    finally:
+        pool.run("widget_recorder.detach()", stream=False)
+
+
+def test_dashboard_combines_topology_memory_and_views(source, tmp_path):
+    dashboard = Dashboard(source)
+    text = dashboard.text()
+    for record in source.pool.topology:
+        assert str(record.pid) in text
+    assert [m.pid for m in dashboard.memory] == [r.pid for r in source.pool.topology]
+    assert all(m.rss_bytes > 0 for m in dashboard.memory)
+    widget = dashboard.widget
+    assert [widget.children[1].get_title(i) for i in range(4)] == [
+        "Ranks",
+        "Layout",
+        "Gradients",
+        "Summon",
+    ]
+    dashboard._refresh_button.click()
+    assert "embed.weight" in dashboard.layout._table.value
+    html = dashboard.html()
+    assert html.count("<img") >= 4 and "embed.weight" in html
+
+
+def test_views_render_as_text_and_html_outside_a_kernel(source):
+    view = LayoutView(source.layout())
+    bundle = view._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert "embed.weight" in bundle["text/plain"] and "<table" in bundle["text/html"]
+    with pytest.raises(RuntimeError, match="fixed data"):
+        view.refresh()
+
+
+def test_rank_model_rejects_bad_names(source):
+    with pytest.raises(ValueError, match="not a Python expression"):
+        RankModel(source.pool, "widget model")
+    with pytest.raises(ValueError, match="no recorder"):
+        RankModel(source.pool, "widget_model").history()
