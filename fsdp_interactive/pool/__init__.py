@@ -1,0 +1,35 @@
+"""The engine pool: an ipyparallel cluster whose every engine is one ``torch.distributed`` rank.
+
+Notebook side. ``Pool`` is the entry point; the exceptions below are what its calls
+raise. Rank-side start-up code lives in :mod:`fsdp_interactive.pool._rank_bootstrap`
+(free of IPython).
+"""
+
+from fsdp_interactive.pool._devices import visible_cuda_device_count
+from fsdp_interactive.pool._errors import (
+    PoolError,
+    PoolNotRunning,
+    PoolStartError,
+    RankDied,
+    RankError,
+    RankInterrupted,
+    RankTimeout,
+)
+from fsdp_interactive.pool._output import RunResult, TaggedPrinter
+from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._topology import RankRecord
+
+__all__ = [
+    "Pool",
+    "PoolError",
+    "PoolNotRunning",
+    "PoolStartError",
+    "RankDied",
+    "RankError",
+    "RankInterrupted",
+    "RankRecord",
+    "RankTimeout",
+    "RunResult",
+    "TaggedPrinter",
+    "visible_cuda_device_count",
+]

@@ -1,0 +1,217 @@
+"""Rank side of the pool: what each engine runs to become one ``torch.distributed`` rank.
+
+The notebook side (:mod:`fsdp_interactive.pool._pool`) calls these functions on the
+engines through ipyparallel; they take and return plain data only. This module never
+imports IPython, ipyparallel or anything notebook-side, and it never touches CUDA
+unless the spec it is given names a CUDA device.
+
+Start-up, in order:
+
+1. :func:`describe_engine` on every engine: host, address, pid.
+2. :func:`open_store` on the engine chosen as rank 0: a ``TCPStore`` server on a free
+   port (the port is picked by binding port 0, so no other process can take it in
+   between); in local mode it listens on loopback only.
+3. :func:`join_group` on all ranks concurrently: torchrun's environment variables,
+   device pinning (before any other CUDA use), stack-dump signal handler, then
+   ``init_process_group`` on the shared store and a readiness handshake through the
+   store (every rank counts itself in and waits for the full count; no sleeps),
+   checked by one ``all_reduce``.
+
+Not done here: choosing ranks or devices (the notebook side decides), retrying, or
+recovering a broken group (the pool restarts the engines instead).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+#: Signal that makes a rank write every thread's Python stack to its stack file.
+STACK_SIGNAL = signal.SIGUSR1
+
+_READY_KEY = "fsdp_interactive/ready"
+_ALL_READY_KEY = "fsdp_interactive/all_ready"
+
+
+@dataclass
+class _RankState:
+    store: Any = None
+    listen_socket: socket.socket | None = None
+    stack_file: Any = None
+    rank: int = -1
+    world_size: int = 0
+    local_rank: int = -1
+    device: str = "cpu"
+
+
+_STATE = _RankState()
+
+
+def describe_engine() -> dict[str, Any]:
+    """Where this engine runs: ``host``, ``address`` (best-effort IPv4), ``pid``, versions."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = host
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {
+        "host": host,
+        "address": address,
+        "pid": os.getpid(),
+        "python": sys.executable,
+        "torch": torch_version,
+    }
+
+
+def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous ``TCPStore`` server on this engine; return its port.
+
+    ``bind_address`` is the address the server listens on (``"127.0.0.1"`` for a
+    single-host pool, ``""`` for all interfaces when ranks live on other hosts).
+    """
+    from torch.distributed import TCPStore
+
+    close_store()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((bind_address, 0))
+    listener.listen(max(64, 2 * world_size))
+    port = listener.getsockname()[1]
+    _STATE.listen_socket = listener
+    _STATE.store = TCPStore(
+        bind_address or "0.0.0.0",
+        port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    return port
+
+
+def close_store() -> None:
+    """Drop this engine's rendezvous store and listening socket, if any."""
+    _STATE.store = None
+    if _STATE.listen_socket is not None:
+        _STATE.listen_socket.close()
+        _STATE.listen_socket = None
+
+
+def join_group(spec: dict[str, Any]) -> dict[str, Any]:
+    """Become rank ``spec["rank"]`` of a new default process group; return its record.
+
+    ``spec`` keys: rank, world_size, local_rank, local_world_size, master_addr,
+    master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s,
+    stack_path, env (extra environment variables, e.g. socket interface names).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = int(spec["rank"])
+    world_size = int(spec["world_size"])
+    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(spec["local_rank"]),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(spec["local_world_size"]),
+        MASTER_ADDR=str(spec["master_addr"]),
+        MASTER_PORT=str(spec["master_port"]),
+    )
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        # Pin before anything else can create a context on the wrong device.
+        torch.cuda.set_device(device)
+    _install_stack_dumper(spec["stack_path"])
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = timedelta(seconds=float(spec["pg_timeout_s"]))
+    if rank == 0:
+        store = _STATE.store
+        if store is None:
+            raise RuntimeError("rank 0 has no rendezvous store: open_store() must run first")
+    else:
+        store = dist.TCPStore(
+            str(spec["master_addr"]),
+            int(spec["master_port"]),
+            world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+    dist.init_process_group(
+        spec["backend"],
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    # Readiness handshake: count in, the last rank to arrive releases everyone.
+    if store.add(_READY_KEY, 1) == world_size:
+        store.set(_ALL_READY_KEY, "1")
+    store.wait([_ALL_READY_KEY])
+    check = torch.ones(1, device=device)
+    dist.all_reduce(check)
+    if int(check.item()) != world_size:
+        raise RuntimeError(f"all_reduce check gave {check.item()}, expected {world_size}")
+
+    _STATE.rank = rank
+    _STATE.world_size = world_size
+    _STATE.local_rank = int(spec["local_rank"])
+    _STATE.device = str(device)
+    return {
+        "rank": rank,
+        "local_rank": int(spec["local_rank"]),
+        "world_size": world_size,
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": dist.get_backend(),
+        "thread_id": threading.get_ident(),
+        "stack_path": spec["stack_path"],
+    }
+
+
+def leave_group() -> None:
+    """Destroy this rank's default process group and store (no-op if there is none)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    close_store()
+
+
+def rank_context() -> tuple[int, int, int, str]:
+    """``(rank, world_size, local_rank, device)`` of this engine after :func:`join_group`."""
+    return _STATE.rank, _STATE.world_size, _STATE.local_rank, _STATE.device
+
+
+def _install_stack_dumper(stack_path: str) -> None:
+    """On :data:`STACK_SIGNAL`, append every thread's stack to ``stack_path``.
+
+    faulthandler writes from the C signal handler, so a rank answers even while its
+    main thread is blocked inside a C++ collective, and nothing is interrupted. Fatal
+    errors (segfault, abort) also dump their stack into the engine's own log.
+    """
+    directory = os.path.dirname(stack_path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    if _STATE.stack_file is not None:
+        faulthandler.unregister(STACK_SIGNAL)
+        _STATE.stack_file.close()
+    _STATE.stack_file = open(stack_path, "a")  # noqa: SIM115 (must outlive this call)
+    faulthandler.register(STACK_SIGNAL, file=_STATE.stack_file, all_threads=True, chain=False)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
