@@ -65,16 +65,29 @@ class RankModel:
         self.recorder = recorder
         self.timeout = timeout
 
-    def _probe(self, expression: str) -> list[Any]:
+    def evaluate(self, expression: str, targets: list[int] | None = None) -> list[Any]:
+        """Evaluate ``expression`` on the ranks; the per-rank values, in rank order.
+
+        ``_fsdp_interactive_inspect`` and ``_fsdp_interactive_checkpoint`` (the inspect and
+        checkpoint packages) are importable names inside ``expression``.  The values must
+        be picklable plain data.
+        """
         code = (
             "import fsdp_interactive.inspect as _fsdp_interactive_inspect\n"
+            "import fsdp_interactive.checkpoint as _fsdp_interactive_checkpoint\n"
             f"{_SCRATCH} = {expression}\n"
         )
-        self.pool.run(code, timeout=self.timeout, stream=False)
+        self.pool.run(code, targets=targets, timeout=self.timeout, stream=False)
         try:
-            return list(self.pool.pull(_SCRATCH))
+            return list(self.pool.pull(_SCRATCH, targets=targets))
         finally:
-            self.pool.run(f"del {_SCRATCH}, _fsdp_interactive_inspect", stream=False)
+            self.pool.run(
+                f"del {_SCRATCH}, _fsdp_interactive_inspect, _fsdp_interactive_checkpoint",
+                targets=targets,
+                stream=False,
+            )
+
+    _probe = evaluate
 
     def layout(self) -> ModelLayout:
         optimizer = self.optimizer or "None"
