@@ -1,0 +1,111 @@
+"""``python -m bench``: run every benchmark figure and write the report.
+
+Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
+``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
+raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
+``--render-only`` (re-render the report from an existing ``benchmarks.json``).
+A figure that fails is reported as failed (with its traceback) and the others still run;
+the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench.report import REPO_ROOT, RunInfo, load_results, write_report
+from bench.runner import FigureResult, Settings
+
+# Figure keys in report order; each is a module ``bench.<key>`` with ``run(Settings)``.
+FIGURES: tuple[str, ...] = (
+    "dispatch",
+    "cold_start",
+    "train_step",
+    "memory",
+    "grad_norm",
+    "checkpoint",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run the fsdp_interactive benchmarks and write docs/benchmarks.md.",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO_ROOT / "docs",
+        help="folder for benchmarks.md/.png/.json (default: docs/)",
+    )
+    parser.add_argument(
+        "--only",
+        type=_figure_list,
+        default=FIGURES,
+        help=f"comma-separated figure keys out of {','.join(FIGURES)}",
+    )
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render the report from OUT/benchmarks.json without measuring",
+    )
+    return parser
+
+
+def _figure_list(text: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in keys if k not in FIGURES]
+    if not keys or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--only expects figure keys out of {', '.join(FIGURES)}; got {text!r}"
+        )
+    return keys
+
+
+def run_figure(key: str, settings: Settings) -> FigureResult:
+    """Run one figure; a failure becomes a FigureResult carrying the traceback."""
+    module = importlib.import_module(f"bench.{key}")
+    start = time.perf_counter()
+    try:
+        result = module.run(settings)
+    except Exception:
+        result = FigureResult(key, key, error=traceback.format_exc())
+        title = (module.__doc__ or key).strip().splitlines()[0]
+        result.title = title.split(":", 1)[1].strip().split(":")[0] if ":" in title else key
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render_only:
+        info, figures = load_results(args.out / "benchmarks.json")
+        paths = write_report(info, figures, args.out)
+        print(f"re-rendered {paths['md']} and {paths['png']}")
+        return 0
+    command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    settings = Settings(quick=args.quick)
+    info = RunInfo.collect(quick=args.quick, command=command.strip())
+    figures = []
+    for key in args.only:
+        print(f"[bench] {key} ...", flush=True)
+        result = run_figure(key, settings)
+        status = "FAILED" if result.error else "done"
+        print(f"[bench] {key} {status} in {result.seconds:.0f} s", flush=True)
+        if result.error:
+            print(result.error, file=sys.stderr, flush=True)
+        figures.append(result)
+    info.finish()
+    paths = write_report(info, figures, args.out)
+    print(f"[bench] wrote {paths['md']}, {paths['png']} and {paths['json']}")
+    return 1 if any(f.error for f in figures) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Run one function on a freshly spawned group of gloo ranks.
+
+``run_on_ranks(world_size, fn, *args)`` spawns ``world_size`` processes (the ``spawn``
+start method), each of which joins a gloo process group on a free local port, runs
+``fn(*args)`` and sends its return value back.  The per-rank results come back in rank
+order.
+
+Contract:
+
+* ``fn`` must be a module-level function (it is pickled by reference) and must return
+  picklable plain data.
+* Every rank runs with ``torch.set_num_threads(threads)``.
+* If a rank raises, :class:`RankError` carries its traceback; if the ranks take longer
+  than ``timeout`` seconds, ``TimeoutError``.  In both cases, and on success, exactly the
+  processes started here are joined, and killed by their handles if still alive.
+* Nothing is reused between calls: each call pays a process start (that is the point for
+  figures whose ranks must not share state).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds the first failing rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    pg_timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    outbox: mp.Queue,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = fn(*args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        outbox.put((rank, False, traceback.format_exc()))
+    else:
+        outbox.put((rank, True, result))
+
+
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 600.0,
+    threads: int = 1,
+    pg_timeout: float = 120.0,
+) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks, run ``fn(*args)`` on each, return results by rank.
+
+    ``pg_timeout`` bounds each collective, so a rank stuck in one fails instead of hanging.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, threads, pg_timeout, fn, args, outbox),
+            name=f"bench-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            try:
+                rank, ok, value = outbox.get(timeout=1.0)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                dead = [r for r in missing if not procs[r].is_alive()]
+                if dead:
+                    # A process can exit right after queueing its reply: look once more.
+                    try:
+                        rank, ok, value = outbox.get(timeout=2.0)
+                    except queue.Empty:
+                        raise RankError(
+                            f"{_name(fn)}: rank process(es) {dead} died without a reply"
+                        ) from None
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{_name(fn)}: ranks {missing} gave no answer within {timeout:.0f}s"
+                    ) from None
+                else:
+                    continue
+            if not ok:
+                raise RankError(f"{_name(fn)} failed on rank {rank}:\n{value}")
+            results[rank] = value
+        return [results[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.pid is not None:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=10)
+        outbox.close()
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", repr(fn))

@@ -1,0 +1,462 @@
+"""Turn figure results into ``benchmarks.md``, ``benchmarks.png`` and ``benchmarks.json``.
+
+:func:`write_report` writes the three files into one folder: the JSON holds every raw
+sample (it is what the report was rendered from), the Markdown holds the machine, the
+versions, the date, the summary table of ratios against targets, per-figure
+measurements, the recorded causes of missed targets and how to reproduce; the PNG plots
+every ratio against its target.  Missing components appear as "not available yet" rows
+without numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.findings import FINDINGS
+from bench.runner import Comparison, FigureResult, Stat
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RunInfo:
+    """When, where and with what a run happened."""
+
+    started: str
+    finished: str
+    quick: bool
+    command: str
+    machine: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    load_before: str = ""
+    load_after: str = ""
+
+    @classmethod
+    def collect(cls, quick: bool, command: str) -> RunInfo:
+        return cls(
+            started=_now(),
+            finished="",
+            quick=quick,
+            command=command,
+            machine=machine_description(),
+            versions=versions(),
+            load_before=_load(),
+        )
+
+    def finish(self) -> None:
+        self.finished = _now()
+        self.load_after = _load()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _load() -> str:
+    try:
+        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def machine_description() -> dict[str, str]:
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical cores": str(os.cpu_count()),
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "os": f"{platform.system()} {platform.release()}",
+        "gpu": "none (CPU ranks, gloo)",
+    }
+
+
+def versions() -> dict[str, str]:
+    import ipyparallel
+    import torch
+
+    import fsdp_interactive
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "fsdp_interactive", "bench"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if dirty:
+            commit += " (with uncommitted changes)"
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ipyparallel": ipyparallel.__version__,
+        "fsdp_interactive": f"{fsdp_interactive.__version__}, commit {commit}",
+    }
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def fmt_value(value: float, unit: str) -> str:
+    if unit == "s":
+        if value < 1e-3:
+            return f"{value * 1e6:.0f} µs"
+        if value < 1.0:
+            return f"{value * 1e3:.1f} ms"
+        return f"{value:.2f} s"
+    if unit == "B":
+        return f"{value / 2**20:.2f} MiB"
+    if unit == "B/s":
+        return f"{value / 2**20:.0f} MiB/s"
+    return f"{value:.3g} {unit}"
+
+
+def fmt_stat(stat: Stat | None) -> str:
+    if stat is None:
+        return "—"
+    if len(stat.samples) == 1:
+        return fmt_value(stat.median, stat.unit)
+    return (
+        f"{fmt_value(stat.median, stat.unit)} "
+        f"[{fmt_value(stat.min, stat.unit)} to {fmt_value(stat.max, stat.unit)}]"
+    )
+
+
+def fmt_ratio(comparison: Comparison) -> str:
+    if comparison.unavailable:
+        return "not available yet"
+    ratio = comparison.ratio
+    if ratio is None:
+        return "—"
+    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
+
+
+def verdict(comparison: Comparison) -> str:
+    met = comparison.met
+    if comparison.unavailable:
+        return "—"
+    if met is None:
+        return "n/a"
+    return "met" if met else "**missed**"
+
+
+def ratio_range(comparison: Comparison) -> tuple[float, float] | None:
+    """The widest ratio the samples allow: (low, high), or None without both sides."""
+    s, r = comparison.subject, comparison.reference
+    if s is None or r is None or not s.min or not r.min:
+        return None
+    low, high = s.min / r.max, s.max / r.min
+    if comparison.inverse:
+        low, high = r.min / s.max, r.max / s.min
+    return low, high
+
+
+# ---------------------------------------------------------------------------- markdown
+
+
+def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) -> str:
+    lines: list[str] = []
+    add = lines.append
+    mode = "quick mode (smoke test sizes; not for conclusions)" if info.quick else "full mode"
+    add("# Benchmarks")
+    add("")
+    add(
+        "How fast the kit is next to the tools it replaces: relaunching scripts with torchrun, "
+        "raw ipyparallel, torch's own FSDP1 and `fully_shard` applied by hand. "
+        "Generated by `bench/` (do not edit by hand; rerun the command below)."
+    )
+    add("")
+    add(f"- Run: {info.started} to {info.finished}, {mode}.")
+    add(f"- Command: `{info.command}`")
+    add(
+        "- Machine: "
+        + ", ".join(f"{k} {v}" for k, v in info.machine.items())
+        + f"; load average (1/5/15 min) {info.load_before} before, {info.load_after} after."
+    )
+    add("- Versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()) + ".")
+    add("")
+    add(
+        "**Read the ratios, not the absolute numbers.** Every figure is a side-by-side "
+        "ratio measured in this one run, contenders alternated sample by sample, because the "
+        "machine is small and shared (other work ran at the same time, see the load "
+        "average). Each value is the median of several repetitions after warm-up, with the "
+        "min and max of the samples in brackets. A ratio is computed from medians; the plot's "
+        "whiskers show the widest ratio the min and max allow."
+    )
+    add("")
+    add("## Summary")
+    add("")
+    add("| Figure | Case | Ours (or baseline) | Reference | Ratio | Target | Result |")
+    add("| --- | --- | --- | --- | --- | --- | --- |")
+    for figure in figures:
+        if figure.error:
+            add(f"| {figure.title} | — | failed: see below | — | — | — | **error** |")
+            continue
+        for c in figure.comparisons:
+            subject = (
+                f"{c.subject_name}: {c.unavailable}"
+                if c.unavailable
+                else f"{c.subject_name}: {fmt_stat(c.subject)}"
+            )
+            reference = f"{c.reference_name}: {fmt_stat(c.reference)}"
+            note = f" ({c.note})" if c.note else ""
+            add(
+                f"| {figure.title} | {c.case}{note} | {subject} | {reference} | "
+                f"{fmt_ratio(c)} | {c.target or 'n/a'} | {verdict(c)} |"
+            )
+    add("")
+    add(f"![Ratios against targets]({plot_name})")
+    add("")
+    missed = [
+        (figure, c)
+        for figure in figures
+        for c in figure.comparisons
+        if c.met is False and not c.note.startswith("baseline")
+    ]
+    add("## Missed targets and their causes")
+    add("")
+    if not missed:
+        add("No target of ours was missed in this run.")
+    for figure, c in missed:
+        finding = FINDINGS.get((figure.key, c.subject_name, c.reference_name))
+        add(
+            f"- **{figure.title}, {c.case}: {c.subject_name} vs {c.reference_name}** "
+            f"({fmt_ratio(c)}, target {c.target}): "
+            + (finding or "no profile recorded for this miss yet.")
+        )
+    add("")
+    for figure in figures:
+        add(f"## {figure.title}")
+        add("")
+        doc = _figure_doc(figure.key)
+        if doc:
+            add(doc)
+            add("")
+        if figure.error:
+            add("This figure failed in this run:")
+            add("")
+            add("```text")
+            add(figure.error.rstrip())
+            add("```")
+            add("")
+            continue
+        for note in figure.notes:
+            add(f"- {note}")
+        if figure.notes:
+            add("")
+        add("| Measurement | Median | Min | Max | Samples |")
+        add("| --- | --- | --- | --- | --- |")
+        for name, stat in figure.measurements.items():
+            add(
+                f"| {name} | {fmt_value(stat.median, stat.unit)} | "
+                f"{fmt_value(stat.min, stat.unit)} | {fmt_value(stat.max, stat.unit)} | "
+                f"{len(stat.samples)} |"
+            )
+        add("")
+        add(f"Figure time: {figure.seconds:.0f} s.")
+        add("")
+    add("## Not measured here")
+    add("")
+    add(
+        "- CUDA/NCCL figures: this machine has no GPU, so every figure above uses CPU ranks "
+        "with gloo. On a GPU machine the same command measures the same contenders on CPU "
+        "ranks; a CUDA/NCCL section is not produced yet."
+    )
+    add("")
+    add("## How to reproduce")
+    add("")
+    add("```bash")
+    add("make bench                              # full run, rewrites docs/benchmarks.*")
+    add(".venv/bin/python -m bench               # the same, once `make setup` has run")
+    add(".venv/bin/python -m bench --quick --out /tmp/bench   # < 2 min smoke run")
+    add(".venv/bin/python -m bench --only dispatch,cold_start  # some figures only")
+    add(".venv/bin/python -m bench.train_step --quick          # one figure, JSON on stdout")
+    add("```")
+    add("")
+    add(
+        "Every multi-rank figure starts its own processes (spawned gloo ranks, torchrun, "
+        "ipyparallel clusters, pools) and stops exactly those. Ranks run with one intra-op "
+        "thread each. The raw samples of this run are in `benchmarks.json` next to this file."
+    )
+    add("")
+    return "\n".join(lines)
+
+
+def _figure_doc(key: str) -> str:
+    import importlib
+
+    try:
+        module = importlib.import_module(f"bench.{key}")
+    except ImportError:
+        return ""
+    doc = (module.__doc__ or "").strip()
+    paragraphs = doc.split("\n\n")
+    # The first paragraph repeats the title; the rest says what is measured and how.
+    return "\n\n".join(p.replace("\n", " ") for p in paragraphs[1:])
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def render_plot(figures: list[FigureResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [f for f in figures if f.comparisons or f.error]
+    cols = 2
+    rows = max(1, (len(shown) + cols - 1) // cols)
+    heights = [max(2.0, 0.42 * max(len(f.comparisons), 1) + 1.2) for f in shown]
+    row_heights = [
+        max(heights[i] for i in range(r * cols, min(len(shown), (r + 1) * cols)))
+        for r in range(rows)
+    ]
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(16, sum(row_heights)),
+        gridspec_kw={"height_ratios": row_heights},
+        squeeze=False,
+    )
+    for ax in axes.flat[len(shown) :]:
+        ax.set_visible(False)
+    for ax, figure in zip(axes.flat, shown, strict=False):
+        _plot_figure(ax, figure)
+    fig.suptitle("fsdp_interactive benchmarks: ratio (median) vs target, whiskers = min-max span")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _plot_figure(ax: Any, figure: FigureResult) -> None:
+    ax.set_title(figure.title, fontsize=10, loc="left")
+    if figure.error:
+        ax.text(0.5, 0.5, "figure failed (see report)", ha="center", va="center", color="red")
+        ax.set_axis_off()
+        return
+    comparisons = figure.comparisons
+    labels = []
+    ratios = [c.ratio for c in comparisons if c.ratio]
+    targets = [c.target.value for c in comparisons if c.target]
+    span = [v for v in ratios + targets if v and v > 0]
+    log = bool(span) and max(span) / min(span) > 30
+    if log:
+        ax.set_xscale("log")
+    top = max(span) * (3 if log else 1.25) if span else 1.0
+    for y, c in enumerate(comparisons):
+        labels.append(_short_label(c))
+        if c.unavailable or c.ratio is None:
+            ax.text(
+                (min(span) if span else 0.5) if log else 0.02 * top,
+                y,
+                "not available yet" if c.unavailable else "no ratio",
+                va="center",
+                fontsize=8,
+                color="grey",
+            )
+            continue
+        color = {True: "tab:green", False: "tab:red", None: "tab:grey"}[c.met]
+        if c.note.startswith("baseline"):
+            color = {True: "#9fd39f", False: "#f0a0a0", None: "lightgrey"}[c.met]
+        ax.barh(y, c.ratio, color=color, height=0.6)
+        bounds = ratio_range(c)
+        if bounds:
+            ax.errorbar(
+                c.ratio,
+                y,
+                xerr=[[c.ratio - bounds[0]], [bounds[1] - c.ratio]],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+                lw=1,
+            )
+        ax.text(c.ratio, y + 0.32, f" {fmt_ratio(c)}", va="center", fontsize=7)
+        if c.target:
+            ax.plot(
+                [c.target.value] * 2,
+                [y - 0.4, y + 0.4],
+                color="black",
+                lw=2,
+                ls="--",
+            )
+    ax.set_yticks(range(len(comparisons)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(right=top)
+    if log:
+        ax.set_xlim(left=min(span) / 3)
+    else:
+        ax.set_xlim(left=0)
+    ax.set_xlabel("ratio (dashed: target)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+
+
+def _short_label(c: Comparison) -> str:
+    subject = c.subject_name.replace(" (ours)", "*")
+    reference = c.reference_name
+    for long, short in (
+        ("raw ipyparallel DirectView.execute", "raw ipyparallel"),
+        ("torch.save of a full state dict from rank 0", "torch.save rank 0"),
+        ("fsdp_interactive.checkpoint.", ""),
+        ("FullyShardedDataParallel", "FSDP"),
+        (" (device_id=cpu)", ""),
+        (", blocking part", " blocking"),
+    ):
+        subject = subject.replace(long, short)
+        reference = reference.replace(long, short)
+    return f"{c.case}\n{subject} vs {reference}"
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def write_report(info: RunInfo, figures: list[FigureResult], out_dir: Path) -> dict[str, Path]:
+    """Write benchmarks.{json,md,png} into ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "benchmarks.json",
+        "md": out_dir / "benchmarks.md",
+        "png": out_dir / "benchmarks.png",
+    }
+    payload = {
+        "info": info.__dict__,
+        "figures": [figure.to_dict() for figure in figures],
+    }
+    paths["json"].write_text(json.dumps(payload, indent=1) + "\n")
+    render_plot(figures, paths["png"])
+    paths["md"].write_text(render_markdown(info, figures, paths["png"].name))
+    return paths
+
+
+def load_results(path: Path) -> tuple[RunInfo, list[FigureResult]]:
+    """Read back a ``benchmarks.json`` (to re-render the report without re-measuring)."""
+    payload = json.loads(Path(path).read_text())
+    info = RunInfo(**payload["info"])
+    return info, [FigureResult.from_dict(f) for f in payload["figures"]]
