@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("lab",)
+SUBCOMMANDS: tuple[str, ...] = ("demo", "doctor", "lab")
 
 
 def build_parser() -> argparse.ArgumentParser:

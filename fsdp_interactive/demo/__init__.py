@@ -1,0 +1,10 @@
+"""The ``fsdp-interactive demo`` job: train a tiny transformer with FullyShardedDataParallel.
+
+Notebook side (:mod:`._driver`) drives a :class:`~fsdp_interactive.pool.Pool`; the work
+runs on the ranks (:mod:`._rank_job`); :mod:`._report` draws the PNG report.
+"""
+
+from fsdp_interactive.demo._config import DemoConfig
+from fsdp_interactive.demo._driver import DemoResult, run_demo
+
+__all__ = ["DemoConfig", "DemoResult", "run_demo"]
