@@ -58,9 +58,10 @@ def _full_params(
         wrapper = _wrapper_class()
         with wrapper.summon_full_params(model, writeback=writeback):
             full = dict(named_parameters(model))
-            yield {name: full[name].data for name, _ in chosen if name in full} or {
-                name: p.data for name, p in chosen
-            }
+            missing = [name for name, _ in chosen if name not in full]
+            if missing:
+                raise KeyError(f"parameters {missing} are not visible under summon_full_params")
+            yield {name: full[name].data for name, _ in chosen}
         return
     full = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p.data).detach() for name, p in chosen

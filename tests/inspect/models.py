@@ -47,3 +47,20 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def backward(model: nn.Module, seed: int = 1) -> None:
     x, y = batch(seed)
     nn.functional.mse_loss(model(x), y).backward()
+
+
+def wrapped_and_reference(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """The same model under this package's FullyShardedDataParallel (nested units)."""
+    import warnings
+
+    from fsdp_interactive.fsdp import FullyShardedDataParallel
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(seed)
+    reference = Tiny()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = FullyShardedDataParallel(
+            copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential})
+        )
+    return model, reference

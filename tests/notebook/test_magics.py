@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from fsdp_interactive.notebook.magics import FsdpMagics, parse_targets
-from fsdp_interactive.pool import RankError, RankTimeout, RunResult
+from fsdp_interactive.pool import RankError, RankInterrupted, RankTimeout, RunResult
 
 
 def cell(shell, line, body):
@@ -223,8 +223,8 @@ def test_interrupt_stops_a_running_cell(pool_shell, pool):
     assert time.monotonic() - started < 50
     assert not result.success
     error = result.error_in_exec
-    assert isinstance(error, RankError)
-    assert {name for name, _ in error.errors.values()} == {"KeyboardInterrupt"}
+    assert isinstance(error, RankInterrupted)
+    assert error.ranks == [0, 1] and not error.needs_restart
 
 
 def test_restart_gives_a_fresh_group(pool_shell, pool):

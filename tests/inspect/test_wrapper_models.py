@@ -1,0 +1,55 @@
+"""The probes on models built with this package's FullyShardedDataParallel wrapper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_interactive.inspect import edit_param, grad_norms, layout, merge_layouts, summon_stats
+from tests.inspect.models import backward, wrapped_and_reference
+
+
+def _probe_wrapped():
+    model, reference = wrapped_and_reference()
+    backward(model)
+    backward(reference)
+    norms = grad_norms(model)
+    wrapper_total = float(type(model).clip_grad_norm_(model, 1e9))
+    reference_total = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+    stats = summon_stats(model, "block.0.weight")
+    full = reference.block[0].weight.detach().double()
+    edited = edit_param(model, "embed.bias", "x + 1")
+    with type(model).summon_full_params(model, writeback=False):
+        bias = model.embed.bias.detach().clone()
+    ref_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return (
+        layout(model),
+        ref_bytes,
+        norms,
+        wrapper_total,
+        reference_total,
+        stats,
+        (float(full.mean()), float(full.std()), float(full.norm())),
+        edited,
+        torch.equal(bias, reference.embed.bias.detach() + 1),
+    )
+
+
+def test_probes_work_on_the_wrapper(ranks2):
+    results = ranks2.run(_probe_wrapped)
+    merged = merge_layouts([r[0] for r in results])
+    for _, ref_bytes, norms, wrapper_total, ref_total, stats, truth, edited, ok in results:
+        assert merged.model_bytes == ref_bytes
+        assert sum(merged.held_bytes(r) for r in range(2)) == ref_bytes
+        assert norms.total == pytest.approx(wrapper_total, rel=1e-5)
+        assert norms.total == pytest.approx(ref_total, rel=1e-5)
+        assert (stats.mean, stats.std, stats.norm) == pytest.approx(truth, rel=1e-9)
+        assert edited.fqn == "embed.bias" and ok
+    assert {p.fqn for p in merged.params} == {
+        "embed.weight",
+        "embed.bias",
+        "block.0.weight",
+        "block.0.bias",
+        "block.2.weight",
+        "block.2.bias",
+    }
