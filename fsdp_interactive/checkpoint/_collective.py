@@ -7,7 +7,9 @@ leaving peers blocked in a collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -60,3 +62,12 @@ class Ranks:
         for err in errors:
             if err is not None:
                 raise err
+
+
+@contextlib.contextmanager
+def single_process_quietly() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save/load in a single process" warning,
+    which is expected when no process group exists (one-process use, conversions)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -21,10 +21,12 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_interactive.checkpoint import _layout, _manifest
-from fsdp_interactive.checkpoint._load import _check_folder, _paths_of
+from fsdp_interactive.checkpoint._collective import single_process_quietly
+from fsdp_interactive.checkpoint._load import _check_folder, _paths_of, _unwrap_dcp_error
 from fsdp_interactive.checkpoint._safe_reader import (
     METADATA_FILE,
     SafeFileSystemReader,
@@ -74,16 +76,17 @@ def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
         if isinstance(entry, TensorStorageMetadata) and len(path) == 2:
             target["model"][path[1]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     try:
-        dcp.load(
-            target,
-            storage_reader=SafeFileSystemReader(str(folder)),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
-        )
+        with single_process_quietly():
+            dcp.load(
+                target,
+                storage_reader=SafeFileSystemReader(str(folder)),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     except CheckpointError:
         raise
-    except Exception as exc:
-        raise CorruptCheckpointError(f"reading checkpoint {folder} failed: {exc}") from exc
+    except (Exception, CheckpointException) as exc:
+        raise _unwrap_dcp_error(exc) from exc
     return target["model"]
 
 
@@ -163,11 +166,12 @@ def from_full(
     partial = _layout.partial_path(final, _layout.new_token())
     partial.mkdir()
     try:
-        dcp.save(
-            {"model": {k: v.detach().cpu() for k, v in state.items()}},
-            storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
-            no_dist=True,
-        )
+        with single_process_quietly():
+            dcp.save(
+                {"model": {k: v.detach().cpu() for k, v in state.items()}},
+                storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
+                no_dist=True,
+            )
         files = {
             p.name: _manifest.hash_file(p)
             for p in sorted(partial.iterdir())

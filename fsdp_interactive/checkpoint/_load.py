@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive.checkpoint import _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive.checkpoint._collective import Ranks, single_process_quietly
 from fsdp_interactive.checkpoint._safe_reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -226,15 +226,21 @@ def _check_param_groups(
 
 
 def _unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """DCP reports per-rank failures as ``(exception, traceback)`` pairs inside a
+    ``CheckpointException`` (a ``BaseException``): surface ours, wrap the others."""
     if isinstance(exc, CheckpointException):
+        causes = []
         for failure in exc.failures.values():
-            found = failure
+            found = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(found)
             while found is not None and not isinstance(found, CheckpointError):
-                found = found.__cause__ or getattr(found, "exc", None)
+                found = found.__cause__
             if isinstance(found, CheckpointError):
                 return found
-        first = next(iter(exc.failures.values()), exc)
-        return CorruptCheckpointError(f"reading the checkpoint failed: {first}")
+        first = causes[0] if causes else exc
+        return CorruptCheckpointError(
+            f"reading the checkpoint failed: {type(first).__name__}: {first}"
+        )
     return exc
 
 
@@ -292,13 +298,14 @@ def load(
 
     error = None
     try:
-        dcp.load(
-            target,
-            storage_reader=SafeFileSystemReader(str(folder)),
-            planner=SafeLoadPlanner(),
-            no_dist=not ranks.distributed,
-        )
-    except Exception as exc:
+        with single_process_quietly():
+            dcp.load(
+                target,
+                storage_reader=SafeFileSystemReader(str(folder)),
+                planner=SafeLoadPlanner(),
+                no_dist=not ranks.distributed,
+            )
+    except (Exception, CheckpointException) as exc:
         error = _unwrap_dcp_error(exc)
     ranks.agree(error if isinstance(error, CheckpointError) else None)
     if error is not None:

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_interactive.checkpoint import _layout, _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive.checkpoint._collective import Ranks, single_process_quietly
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord, Manifest
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
 from fsdp_interactive.checkpoint.errors import (
@@ -249,13 +250,14 @@ def _finalize(
 
 def _write(state: dict[str, Any], partial: Path, ranks: Ranks) -> None:
     try:
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
-            process_group=ranks.group,
-            no_dist=not ranks.distributed,
-        )
-    except Exception as exc:
+        with single_process_quietly():
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
+                process_group=ranks.group,
+                no_dist=not ranks.distributed,
+            )
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"writing checkpoint data to {partial} failed: {exc}") from exc
 
 
@@ -331,7 +333,7 @@ def async_save(
         try:
             try:
                 upload.result()
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:
                 raise CheckpointError(
                     f"writing checkpoint data to {partial} failed: {exc}"
                 ) from exc

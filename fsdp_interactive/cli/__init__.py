@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("demo", "doctor", "lab")
+SUBCOMMANDS: tuple[str, ...] = ("demo", "doctor", "lab", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
