@@ -27,3 +27,17 @@ def ranks2() -> Iterator[RankGroup]:
 def ranks4() -> Iterator[RankGroup]:
     """Four gloo ranks, started once per test session."""
     yield from _group(4)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``cuda`` where no CUDA device is present."""
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in cuda_items:
+        item.add_marker(skip)

@@ -14,6 +14,11 @@ Selection is a pure pass over the unmodified tree; wrapping then happens in post
 ``FullyShardedDataParallel`` unit. The root is never selected here: the constructor wraps it
 last. Ignored modules (and everything under them) and modules that already are FSDP units are
 skipped; a module reachable from two parents is wrapped once, at its first position.
+
+Containers without a ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) are never made units,
+even when a policy selects them (``always_wrap_policy`` does): ``fully_shard`` cannot hook a
+module that is never called, and an FSDP1 unit around one cannot be iterated either. Their
+parameters stay with the enclosing unit; their children are still considered.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ def select_units(
         return {
             module: {**root_kwargs, **kwargs}
             for module, kwargs in chosen.items()
-            if module is not root and module not in ignored_modules and not is_unit(module)
+            if module is not root
+            and module not in ignored_modules
+            and not is_unit(module)
+            and has_forward(module)
         }
     chosen_modules: list[nn.Module] = []
     in_existing_units = {p for m in root.modules() if is_unit(m) for p in m.parameters()}
@@ -54,7 +62,12 @@ def select_units(
         chosen_modules,
         is_root=True,
     )
-    return {module: dict(root_kwargs) for module in chosen_modules}
+    return {module: dict(root_kwargs) for module in chosen_modules if has_forward(module)}
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` implements ``forward`` (containers like ``nn.ModuleList`` do not)."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _select_recursively(

@@ -158,20 +158,28 @@ def summon_errors() -> None:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 
     model = _wrapped()
-    with pytest.raises(NotImplementedError, match="rank0_only"):
-        with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
-            pass
-    with pytest.raises(NotImplementedError, match="with_grads"):
-        with FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True):
-            pass
-    with pytest.raises(TypeError, match="writeback"):
-        with FSDP.summon_full_params(model, writeback="yes"):
-            pass
+    with (
+        pytest.raises(NotImplementedError, match="rank0_only"),
+        FSDP.summon_full_params(model, rank0_only=True, writeback=True),
+    ):
+        pass
+    with (
+        pytest.raises(NotImplementedError, match="with_grads"),
+        FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True),
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match="writeback"),
+        FSDP.summon_full_params(model, writeback="yes"),
+    ):
+        pass
     tokens = C.local_part(C.batches(0, 2), dist.get_rank(), 2)
     with FSDP.summon_full_params(model, writeback=False):
-        with pytest.raises(RuntimeError, match="summon_full_params"):
-            with FSDP.summon_full_params(model):
-                pass
+        with (
+            pytest.raises(RuntimeError, match="summon_full_params"),
+            FSDP.summon_full_params(model),
+        ):
+            pass
         with pytest.raises(RuntimeError, match="forward"):
             model(tokens[:, :-1])
     # During backward (from a gradient hook on an activation).

@@ -1,0 +1,479 @@
+"""Construction: bad input, rollback on failure, unit selection (vs. torch FSDP1), ignored
+states, passthrough, roots, meshes per strategy, mixed-precision inputs/buffers, prefetch."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tests.fsdp import _common as C
+
+
+def _untouched(model: nn.Module, params_before: list, classes_before: list) -> None:
+    assert [type(m) for m in model.modules()] == classes_before, "classes changed"
+    params_now = list(model.parameters())
+    assert len(params_now) == len(params_before)
+    assert all(a is b for a, b in zip(params_now, params_before, strict=True)), "params replaced"
+    assert not any(isinstance(p, DTensor) for p in params_now)
+    assert all(not m._forward_pre_hooks for m in model.modules()), "hooks left behind"
+
+
+def bad_inputs() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_interactive.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    model = C.make_model(0)
+    before, classes = list(model.parameters()), [type(m) for m in model.modules()]
+    outsider = nn.Linear(2, 2)
+    mesh1d = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    mesh2d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    cases = [
+        (TypeError, "module", dict(module=[model])),
+        (TypeError, "process_group", dict(process_group="world")),
+        (
+            ValueError,
+            "process_group and device_mesh",
+            dict(process_group=dist.group.WORLD, device_mesh=mesh1d),
+        ),
+        (TypeError, "sharding_strategy", dict(sharding_strategy="FULL_SHARD")),
+        (TypeError, "cpu_offload", dict(cpu_offload=True)),
+        (TypeError, "auto_wrap_policy", dict(auto_wrap_policy=5)),
+        (TypeError, "backward_prefetch", dict(backward_prefetch="pre")),
+        (TypeError, "mixed_precision", dict(mixed_precision=torch.bfloat16)),
+        (TypeError, "param_dtype", dict(mixed_precision=MixedPrecision(param_dtype=torch.int8))),
+        (TypeError, "param_init_fn", dict(param_init_fn="init")),
+        (TypeError, "device_id", dict(device_id="cpu")),
+        (TypeError, "sync_module_states", dict(sync_module_states="yes")),
+        (TypeError, "forward_prefetch", dict(forward_prefetch=1)),
+        (TypeError, "device_mesh", dict(device_mesh=(2,))),
+        (
+            ValueError,
+            "mutually exclusive",
+            dict(ignored_modules=[model.head], ignored_states=[model.norm]),
+        ),
+        (TypeError, "ignored_modules", dict(ignored_modules=model.head)),
+        (TypeError, "ignored_modules", dict(ignored_modules=[model.head.weight])),
+        (ValueError, "not inside module", dict(ignored_modules=[outsider])),
+        (ValueError, "itself", dict(ignored_modules=[model])),
+        (TypeError, "ignored_states", dict(ignored_states=[model.head, model.norm.weight])),
+        (ValueError, "not inside module", dict(ignored_states=[outsider.weight])),
+        (
+            ValueError,
+            "tuple",
+            dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=dist.group.WORLD),
+        ),
+        (
+            ValueError,
+            "1-D for NO_SHARD",
+            dict(sharding_strategy=ShardingStrategy.NO_SHARD, device_mesh=mesh2d),
+        ),
+        (
+            ValueError,
+            "2-D for HYBRID_SHARD",
+            dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh1d),
+        ),
+        (ValueError, "1-D for FULL_SHARD", dict(device_mesh=mesh2d)),
+        (TypeError, "cpu_offload", dict(cpu_offload=CPUOffload)),
+    ]
+    if torch.accelerator.current_accelerator() is None:
+        cases.append((ValueError, "device_id=0", dict(device_id=0)))
+    for exc, match, kwargs in cases:
+        kwargs = {"module": model, **kwargs}
+        with pytest.raises(exc, match=match):
+            FSDP(**kwargs)
+        _untouched(model, before, classes)
+
+
+def _failing_init(calls: list, fail_at: int):
+    def init(module: nn.Module) -> None:
+        calls.append(type(module).__name__)
+        if len(calls) == fail_at:
+            raise RuntimeError("init failed on purpose")
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
+            nn.init.constant_(p, 0.5)
+
+    return init
+
+
+class ExplodingHead(nn.Linear):
+    """A head whose forward-hook registration fails: fully_shard fails on it mid-wrap."""
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        raise RuntimeError("hook registration failed on purpose")
+
+
+def failure_midway_restores_module() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    # 1) fully_shard itself fails on the head, after both blocks became units.
+    model = C.make_model(0)
+    model.head.__class__ = ExplodingHead
+    before, classes = list(model.parameters()), [type(m) for m in model.modules()]
+    children = {n: c for n, c in model.named_modules()}
+    tokens = C.batches(0, 1)[:, :-1]
+    model.head.__class__ = nn.Linear
+    expected = model(tokens)
+    model.head.__class__ = ExplodingHead
+    with pytest.raises(RuntimeError, match="on purpose"):
+        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({C.Block, ExplodingHead}))
+    _untouched(model, before, classes)
+    assert dict(model.named_modules()) == children, "units left in place of submodules"
+    model.head.__class__ = nn.Linear
+    torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
+
+    # 2) param_init_fn fails while materializing a meta model, after some units were built.
+    with torch.device("meta"):
+        meta_model = C.TinyLM()
+    before, classes = list(meta_model.parameters()), [type(m) for m in meta_model.modules()]
+    calls: list = []
+    with pytest.raises(RuntimeError, match="on purpose"):
+        FSDP(
+            meta_model,
+            auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+            param_init_fn=_failing_init(calls, fail_at=9),
+        )
+    assert len(calls) == 9
+    _untouched(meta_model, before, classes)
+    assert all(p.is_meta for p in meta_model.parameters())
+
+
+def _units(model: nn.Module, cls: type) -> list[str]:
+    """Clean names of the units; containers without forward (never units here) left out."""
+    return sorted(
+        name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        for name, m in model.named_modules()
+        if isinstance(m, cls) and not isinstance(m.module, nn.ModuleList | nn.ModuleDict)
+    )
+
+
+def unit_selection_matches_torch_fsdp1() -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import (
+        CustomPolicy,
+        ModuleWrapPolicy,
+        always_wrap_policy,
+        lambda_auto_wrap_policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    policies = {
+        "module_class": ModuleWrapPolicy({C.Block, nn.Embedding}),
+        "size_600": functools.partial(size_based_auto_wrap_policy, min_num_params=600),
+        "size_100": functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+        "transformer": functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={C.Block}
+        ),
+        "lambda": functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)
+        ),
+        "always": always_wrap_policy,
+        "custom": CustomPolicy(lambda m: isinstance(m, C.Attention | nn.Sequential)),
+    }
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, policy in policies.items():
+            ours = _units(FSDP(C.make_model(0), auto_wrap_policy=policy), FSDP)
+            theirs = _units(
+                TorchFSDP(C.make_model(0), auto_wrap_policy=policy, device_id=torch.device("cpu")),
+                TorchFSDP,
+            )
+            assert ours == theirs, f"{name}: ours {ours} vs torch FSDP1 {theirs}"
+            out[name] = ours
+    return out
+
+
+def ignored_states_untouched() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inner = C.make_model(0)
+    ignored_weight = inner.head.weight
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}), ignored_modules=[inner.norm])
+    assert not isinstance(model.norm.weight, DTensor) and model.norm.weight.shape == (C.DIM,)
+    assert isinstance(model.embed.weight, DTensor)
+    C.lm_loss(model, C.local_part(C.batches(0, world), rank, world)).backward()
+    grads = [torch.empty_like(model.norm.weight.grad) for _ in range(world)]
+    dist.all_gather(grads, model.norm.weight.grad)
+    assert not torch.equal(grads[0], grads[1]), "ignored gradients must not be reduced"
+
+    inner2 = C.make_model(0)
+    model2 = FSDP(inner2, ignored_states=[inner2.head.weight])
+    assert model2.head.weight is inner2.head.weight and not isinstance(model2.head.weight, DTensor)
+    assert isinstance(model2.head.bias, DTensor)
+    assert isinstance(model.head.weight, DTensor) and ignored_weight is not model.head.weight
+
+
+def passthrough_and_roots() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    inner = C.make_model(0)
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    assert model.module is inner and model._fsdp_wrapped_module is inner
+    assert model.blocks is inner.blocks  # attribute passthrough
+    assert isinstance(model.blocks[0], FSDP) and isinstance(model.blocks[0].module, C.Block)
+    assert model.blocks[0].attn is model.blocks[0].module.attn
+    seq = FSDP(nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2)))
+    assert isinstance(seq[1], nn.Linear)  # index passthrough
+    units = FSDP.fsdp_modules(model)
+    assert units[0] is model and len(units) == 3
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    assert model.check_is_root() and not any(u.check_is_root() for u in units[1:])
+    # Manual nesting: the inner unit stops being a root once wrapped.
+    block = FSDP(C.Block(C.DIM))
+    assert block.check_is_root()
+    outer = FSDP(nn.Sequential(block, nn.Linear(C.DIM, C.DIM)))
+    assert outer.check_is_root() and not block.check_is_root()
+    holder = nn.ModuleDict({"a": FSDP(nn.Linear(2, 2)), "b": FSDP(nn.Linear(2, 2))})
+    assert len(FSDP.fsdp_modules(holder, root_only=True)) == 2
+    with pytest.raises(ValueError, match="fully_shard"):
+        FSDP(model.blocks[0].module)
+
+
+def meshes_per_strategy() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp import ShardingStrategy
+
+    world = dist.get_world_size()
+    expected = {
+        "FULL_SHARD": ((world,), (Shard(0),)),
+        "SHARD_GRAD_OP": ((world,), (Shard(0),)),
+        "NO_SHARD": ((world, 1), (Replicate(), Shard(0))),
+    }
+    for name, (shape, placements) in expected.items():
+        model = FSDP(C.make_model(0), sharding_strategy=ShardingStrategy[name])
+        param = model.embed.weight
+        assert tuple(param.device_mesh.shape) == shape, name
+        assert tuple(param.placements) == placements, name
+        assert model.world_size == (1 if name == "NO_SHARD" else world)
+        assert param.to_local().shape[0] == C.VOCAB // model.world_size
+
+
+def hybrid_meshes_from_groups_and_env() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp import ShardingStrategy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    intra, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    inter, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    model = FSDP(
+        C.make_model(0),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        process_group=(intra, inter),
+    )
+    param = model.embed.weight
+    assert tuple(param.device_mesh.shape) == (2, 2)
+    assert tuple(param.placements) == (Replicate(), Shard(0))
+    assert param.device_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    optim = C.make_optimizer(model.parameters())
+    for step in range(2):
+        C.lm_loss(model, C.local_part(C.batches(step, world), rank, world)).backward()
+        optim.step()
+        optim.zero_grad()
+    ref = C.train_reference(2, world)
+    assert C.max_param_diff(C.full_params(model), ref.params) <= 1e-5
+
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        zero2 = FSDP(C.make_model(0), sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2)
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    assert tuple(zero2.embed.weight.device_mesh.shape) == (2, 2)
+    assert zero2.world_size == 2
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    try:
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+            FSDP(C.make_model(0), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+class RecordsInputDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.lin(x) * self.scale
+
+
+def mixed_precision_inputs_and_buffers() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp import MixedPrecision
+
+    x = torch.randn(3, 4)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = FSDP(RecordsInputDtype(), mixed_precision=mp)
+    out = model(x)
+    assert model.module.seen == [torch.bfloat16], (
+        "root inputs must be cast (cast_root_forward_inputs)"
+    )
+    assert out.dtype == torch.bfloat16
+    assert model.module.scale.dtype == torch.bfloat16
+    assert model.buffer_original_dtypes() == {"scale": torch.float32}
+    no_cast = FSDP(
+        RecordsInputDtype(),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False),
+    )
+    with pytest.raises(RuntimeError):
+        no_cast(x)  # fp32 input against bf16 parameters: nothing casts it
+    assert no_cast.module.seen == [torch.float32]
+
+
+def prefetch_settings_and_warnings() -> None:
+    from fsdp_interactive.fsdp import BackwardPrefetch, MixedPrecision, _config
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = ModuleWrapPolicy({C.Block})
+    pre = FSDP(C.make_model(0), auto_wrap_policy=policy)
+    assert all(
+        not u.fsdp_module._get_fsdp_state()._states_to_backward_prefetch
+        for u in FSDP.fsdp_modules(pre)
+    )
+    none = FSDP(
+        C.make_model(0), auto_wrap_policy=policy, backward_prefetch=None, forward_prefetch=True
+    )
+    for unit in FSDP.fsdp_modules(none):
+        state = unit.fsdp_module._get_fsdp_state()
+        assert state._states_to_backward_prefetch == [state], "backward prefetch not disabled"
+    optim = C.make_optimizer(none.parameters())
+    for step in range(2):
+        C.lm_loss(none, C.local_part(C.batches(step, world), rank, world)).backward()
+        optim.step()
+        optim.zero_grad()
+        if step == 0:
+            order = [u.fsdp_module._get_fsdp_state() for u in none._fsdp_forward_order]
+            assert len(order) == 3
+            for current, following in itertools.pairwise(order):
+                assert current._states_to_forward_prefetch == [following]
+    ref = C.train_reference(2, world)
+    assert C.max_param_diff(C.full_params(none), ref.params) <= 1e-5
+
+    _config._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(
+            C.make_model(0),
+            backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+            limit_all_gathers=False,
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.bfloat16, keep_low_precision_grads=True
+            ),
+        )
+        FSDP(C.make_model(0), backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    messages = [str(w.message) for w in caught]
+    for needle in (
+        "BACKWARD_POST",
+        "limit_all_gathers",
+        "keep_low_precision_grads",
+        "use_orig_params",
+    ):
+        assert sum(needle in m for m in messages) == 1, (needle, messages)
+
+
+def sync_module_states_broadcasts_rank0() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    rank = dist.get_rank()
+    inner = C.make_model(seed=rank)  # every rank starts from different weights
+    inner.register_buffer("counter", torch.full((3,), float(rank)))
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}), sync_module_states=True)
+    rank0 = dict(C.make_model(seed=0).named_parameters())
+    with FSDP.summon_full_params(model, writeback=False):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, rank0[name], rtol=0, atol=0)
+    assert model.module.counter.tolist() == [0.0, 0.0, 0.0]
+
+
+def device_id_cpu() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(C.make_model(0), device_id=torch.device("cpu"))
+    assert model.compute_device == torch.device("cpu")
+    assert model.embed.weight.device_mesh.device_type == "cpu"
+
+
+def test_bad_inputs_raise_and_leave_module_untouched(ranks2):
+    ranks2.run(bad_inputs)
+
+
+def test_no_process_group_is_a_clear_error():
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    if dist.is_initialized():
+        pytest.skip("this process has a default group")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FSDP(nn.Linear(2, 2))
+
+
+def test_failure_midway_restores_the_module(ranks2):
+    ranks2.run(failure_midway_restores_module)
+
+
+def test_unit_selection_matches_torch_fsdp1(ranks2):
+    selected = ranks2.run(unit_selection_matches_torch_fsdp1)[0]
+    print(selected)
+    assert selected["module_class"] == ["", "blocks.0", "blocks.1", "embed"]
+
+
+def test_ignored_modules_and_parameters(ranks2):
+    ranks2.run(ignored_states_untouched)
+
+
+def test_passthrough_roots_and_fsdp_modules(ranks2):
+    ranks2.run(passthrough_and_roots)
+
+
+def test_meshes_per_strategy(ranks2):
+    ranks2.run(meshes_per_strategy)
+
+
+@pytest.mark.world4
+def test_hybrid_mesh_from_group_pair_and_local_world_size(ranks4):
+    ranks4.run(hybrid_meshes_from_groups_and_env)
+
+
+def test_mixed_precision_root_inputs_and_buffers(ranks2):
+    ranks2.run(mixed_precision_inputs_and_buffers)
+
+
+def test_prefetch_arguments_change_the_schedule(ranks2):
+    ranks2.run(prefetch_settings_and_warnings)
+
+
+def test_sync_module_states(ranks2):
+    ranks2.run(sync_module_states_broadcasts_rank0)
+
+
+def test_device_id_cpu(ranks2):
+    ranks2.run(device_id_cpu)
