@@ -1,0 +1,100 @@
+"""Smoke test of the benchmark command: ``python -m bench --quick`` writes a sane report.
+
+Runs the real quick mode (real ranks, clusters, pools and torchrun relaunches) into a
+temporary folder and checks that every figure is present, finished and carries positive
+numbers, that the Markdown table has a row per comparison, and that the plot is a PNG.
+No timing is asserted: speed is what the report shows, not what a test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIGURES = ("dispatch", "cold_start", "train_step", "memory", "grad_norm", "checkpoint")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench-quick")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"python -m bench --quick did not finish in 480 s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"python -m bench --quick failed:\n{output[-6000:]}"
+    return out
+
+
+def _figures(report_dir: Path) -> dict[str, dict]:
+    payload = json.loads((report_dir / "benchmarks.json").read_text())
+    assert payload["info"]["quick"] is True
+    return {figure["key"]: figure for figure in payload["figures"]}
+
+
+def test_every_figure_is_present_and_finished(quick_report: Path) -> None:
+    figures = _figures(quick_report)
+    assert tuple(figures) == FIGURES
+    for key, figure in figures.items():
+        assert figure["error"] is None, f"{key} failed:\n{figure['error']}"
+        assert figure["comparisons"], f"{key} has no comparison"
+        assert figure["measurements"], f"{key} has no measurement"
+
+
+def test_measured_numbers_are_positive(quick_report: Path) -> None:
+    for key, figure in _figures(quick_report).items():
+        for name, stat in figure["measurements"].items():
+            assert stat["samples"], f"{key}: {name} has no samples"
+            assert all(v > 0 for v in stat["samples"]), f"{key}: {name}: {stat['samples']}"
+            assert stat["min"] <= stat["median"] <= stat["max"], f"{key}: {name}"
+
+
+def test_comparisons_have_a_ratio_or_say_why_not(quick_report: Path) -> None:
+    for key, figure in _figures(quick_report).items():
+        for c in figure["comparisons"]:
+            label = f"{key}: {c['case']}: {c['subject_name']} vs {c['reference_name']}"
+            assert c["reference"] is not None, label
+            if c["unavailable"]:
+                assert c["unavailable"].startswith("not available yet"), label
+                assert c["subject"] is None and c["ratio"] is None, label
+            else:
+                assert c["ratio"] is not None and c["ratio"] > 0, label
+                assert c["met"] in (True, False), label
+
+
+def test_markdown_has_a_row_per_comparison(quick_report: Path) -> None:
+    text = (quick_report / "benchmarks.md").read_text()
+    assert "## Summary" in text and "## How to reproduce" in text
+    assert "python -m bench" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    for key, figure in _figures(quick_report).items():
+        for c in figure["comparisons"]:
+            assert any(
+                c["case"] in row and c["subject_name"] in row and c["reference_name"] in row
+                for row in rows
+            ), f"no summary row for {key}: {c['case']}: {c['subject_name']}"
+        for name in figure["measurements"]:
+            assert any(f"| {name} |" in row for row in rows), f"no row for {key}: {name}"
+
+
+def test_plot_is_a_png(quick_report: Path) -> None:
+    data = (quick_report / "benchmarks.png").read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000
