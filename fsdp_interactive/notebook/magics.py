@@ -120,10 +120,10 @@ class FsdpMagics(Magics):
                                                 copy a rank value to the kernel; tensors (DTensor,
                                                 FSDP parameters) arrive as full CPU tensors
         """
-        words = shlex.split(line)
+        words = line.strip().split(None, 1)
         if not words:
             raise UsageError(f"%fsdp needs a command: one of {', '.join(_SUBCOMMANDS)}")
-        command, rest = words[0], shlex.join(words[1:])
+        command, rest = words[0], (words[1] if len(words) > 1 else "")
         if command not in _SUBCOMMANDS:
             raise UsageError(
                 f"unknown %fsdp command {command!r}; type one of: "
@@ -260,6 +260,8 @@ class FsdpMagics(Magics):
                     "raise --max-bytes"
                 ) from None
             names = {name for name, _ in error.errors.values()}
+            if names == {"TypeError"} and "is a module" in messages[0]:
+                raise UsageError(f"%fsdp pull: {messages[0]}") from None
             if names == {"NameError"}:
                 raise UsageError(
                     f"%fsdp pull: {messages[0]} on the ranks; check the name with "

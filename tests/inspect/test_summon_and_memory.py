@@ -83,3 +83,32 @@ def test_memory_reports_this_process():
     assert stats.pid == os.getpid()
     assert stats.rss_bytes > 10 * 2**20
     assert stats.device == "cpu" and stats.allocated_bytes is None
+
+
+def _pull_copies():
+    from fsdp_interactive.inspect import plain_copy
+
+    model, reference = sharded_and_reference()
+    state = plain_copy(model.state_dict())
+    weight = plain_copy(model.embed.weight)
+    errors = []
+    for call in (
+        lambda: plain_copy(model),
+        lambda: plain_copy(model.embed.weight, max_bytes=10, name="w"),
+    ):
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    ok = all(
+        type(t) is torch.Tensor and torch.equal(t, reference.state_dict()[k])
+        for k, t in state.items()
+    )
+    return ok, torch.equal(weight, reference.embed.weight), errors
+
+
+def test_plain_copy_gathers_tensors_and_refuses_modules_and_big_values(ranks2):
+    for ok, weight_ok, errors in ranks2.run(_pull_copies):
+        assert ok and weight_ok
+        assert "is a module" in errors[0]
+        assert "too large to pull: w is 60 bytes" in errors[1]

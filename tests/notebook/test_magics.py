@@ -181,6 +181,10 @@ def test_pull_gathers_a_dtensor_parameter_as_a_plain_cpu_tensor(pool_shell, pool
     assert torch.equal(w, expected)
     with pytest.raises(UsageError, match=r"too large.*--force"):
         pool_shell.run_line_magic("fsdp", "pull big --max-bytes 1000")
+    with pytest.raises(UsageError, match=r"is a module.*state_dict"):
+        pool_shell.run_line_magic("fsdp", "pull pulled_model")
+    pool_shell.run_line_magic("fsdp", "pull pulled_model.state_dict() --as pulled_state")
+    assert torch.equal(pool_shell.user_ns["pulled_state"]["weight"], expected)
     pool_shell.run_line_magic("fsdp", "pull big --max-bytes 1000 --force")
     assert pool_shell.user_ns["big"].shape == (300, 300)
 
