@@ -78,9 +78,9 @@ def _fqn_by_param(model: nn.Module) -> dict[int, str]:
 
 
 def _active_settings(model: nn.Module):
-    from fsdp_interactive.fsdp._state_dict_utils import default_settings
+    from fsdp_interactive.fsdp._state_dict_utils import native_settings
 
-    return get_state_dict_type(model) or default_settings()
+    return get_state_dict_type(model) or native_settings()
 
 
 def optim_state_dict(

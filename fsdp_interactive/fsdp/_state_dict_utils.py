@@ -2,8 +2,11 @@
 
 Settings (:func:`set_state_dict_type`, :func:`get_state_dict_type`,
 :func:`state_dict_type`) are stored on every ``FSDPModule`` under the given module, with
-torch FSDP1's checks and defaults (FULL_STATE_DICT with default configs). They work on a
-raw ``fully_shard`` model as well as on ``FullyShardedDataParallel``.
+torch FSDP1's checks and per-type default configs. They work on a raw ``fully_shard``
+model as well as on ``FullyShardedDataParallel``. Default type: FULL_STATE_DICT for
+``FullyShardedDataParallel`` (FSDP1's default); SHARDED_STATE_DICT for a raw
+``fully_shard`` model, whose ``state_dict()`` natively returns DTensors and keeps doing so
+until a type is set.
 
 :func:`install_state_dict_hooks` makes ``module.state_dict()`` / ``load_state_dict()``
 follow the active type:
@@ -79,8 +82,18 @@ def fsdp_units(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def native_settings() -> StateDictSettings:
+    """What a raw ``fully_shard`` module's ``state_dict()`` returns: DTensor shards."""
+    return StateDictSettings(
+        StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+    )
+
+
 def settings_of(unit: nn.Module) -> StateDictSettings:
-    return getattr(unit, _SETTINGS, None) or default_settings()
+    """A unit's settings: set explicitly, else FSDP1's FULL default for units built by
+    ``FullyShardedDataParallel`` (see :func:`install_state_dict_hooks`), else the native
+    SHARDED behaviour of a raw ``fully_shard`` module."""
+    return getattr(unit, _SETTINGS, None) or native_settings()
 
 
 def set_state_dict_type(
@@ -176,12 +189,19 @@ def state_dict_type(
 # ----------------------------------------------------------------------------- hooks
 
 
-def install_state_dict_hooks(module: nn.Module) -> None:
+def install_state_dict_hooks(module: nn.Module, *, fsdp1_default: bool = True) -> None:
     """Make ``state_dict``/``load_state_dict`` of ``module`` follow the active type.
 
     Idempotent. Registers, in this order, on every module with ``_fqn_modifiers`` the
-    prefix hooks and on every FSDP unit the value hooks.
+    prefix hooks and on every FSDP unit the value hooks. ``fsdp1_default`` gives units
+    without settings FSDP1's default (FULL_STATE_DICT): ``FullyShardedDataParallel``
+    calls this at construction. Raw ``fully_shard`` units get hooks only through
+    :func:`set_state_dict_type`, which sets their type explicitly first.
     """
+    if fsdp1_default:
+        for unit in fsdp_units(module):
+            if getattr(unit, _SETTINGS, None) is None:
+                setattr(unit, _SETTINGS, default_settings())
     for sub in module.modules():
         modifiers = getattr(sub, "_fqn_modifiers", None)
         if callable(modifiers) and not getattr(sub, _PREFIX_HOOKED, False):

@@ -19,15 +19,28 @@ Containers without a ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) are neve
 even when a policy selects them (``always_wrap_policy`` does): ``fully_shard`` cannot hook a
 module that is never called, and an FSDP1 unit around one cannot be iterated either. Their
 parameters stay with the enclosing unit; their children are still considered.
+
+Under ``mixed_precision``, modules of ``MixedPrecision._module_classes_to_ignore`` (batch norm
+by default) become their own units without mixed precision, with torch's own hooks casting
+their inputs to float32 and their outputs back, exactly as FSDP1's auto-wrap does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp.wrap import _Policy
+from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+from torch.distributed.fsdp._wrap_utils import _warn_on_overridden_mixed_precision
+from torch.distributed.fsdp.api import MixedPrecision
+from torch.distributed.fsdp.wrap import (
+    _or_policy,
+    _Policy,
+    _run_mixed_precision_override_policy,
+    _wrap_module_cls_individually,
+)
 
 WrapFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
 
@@ -39,10 +52,23 @@ def select_units(
     ignored_params: frozenset[nn.Parameter],
     is_unit: Callable[[nn.Module], bool],
     root_kwargs: dict[str, Any],
+    mixed_precision: MixedPrecision | None = None,
 ) -> dict[nn.Module, dict[str, Any]]:
-    """Map every submodule (not the root) that should become a unit to its constructor kwargs."""
+    """Map every submodule (not the root) that should become a unit to its constructor kwargs.
+
+    With ``mixed_precision``, also registers torch's float32 cast hooks on the modules of
+    ``mixed_precision._module_classes_to_ignore`` (undone by the caller's rollback on failure).
+    """
+    no_mp_classes = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision else ()
     if isinstance(policy, _Policy):
         chosen = policy._run_policy(root, set(ignored_modules), dict(root_kwargs))
+        if no_mp_classes:
+            chosen = _run_mixed_precision_override_policy(
+                root, no_mp_classes, set(ignored_modules), dict(root_kwargs), chosen
+            )
+            _warn_on_overridden_mixed_precision(
+                _override_module_mixed_precision(root, no_mp_classes)
+            )
         return {
             module: {**root_kwargs, **kwargs}
             for module, kwargs in chosen.items()
@@ -51,6 +77,15 @@ def select_units(
             and not is_unit(module)
             and has_forward(module)
         }
+    if no_mp_classes:
+        policy = functools.partial(
+            _or_policy,
+            policies=[
+                policy,
+                functools.partial(_wrap_module_cls_individually, module_classes=no_mp_classes),
+            ],
+        )
+        _warn_on_overridden_mixed_precision(_override_module_mixed_precision(root, no_mp_classes))
     chosen_modules: list[nn.Module] = []
     in_existing_units = {p for m in root.modules() if is_unit(m) for p in m.parameters()}
     _select_recursively(
@@ -62,7 +97,14 @@ def select_units(
         chosen_modules,
         is_root=True,
     )
-    return {module: dict(root_kwargs) for module in chosen_modules if has_forward(module)}
+    return {
+        module: {
+            **root_kwargs,
+            **({"mixed_precision": None} if isinstance(module, no_mp_classes) else {}),
+        }
+        for module in chosen_modules
+        if has_forward(module)
+    }
 
 
 def has_forward(module: nn.Module) -> bool:

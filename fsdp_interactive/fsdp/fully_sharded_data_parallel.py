@@ -167,7 +167,13 @@ class FullyShardedDataParallel(nn.Module):
         try:
             if auto_wrap_policy is not None:
                 targets = select_units(
-                    module, auto_wrap_policy, ignored.modules, ignored.params, is_unit, root_kwargs
+                    module,
+                    auto_wrap_policy,
+                    ignored.modules,
+                    ignored.params,
+                    is_unit,
+                    root_kwargs,
+                    mixed_precision,
                 )
 
                 def wrap_child(child: nn.Module, kwargs: dict[str, Any]) -> nn.Module:

@@ -477,3 +477,38 @@ def test_sync_module_states(ranks2):
 
 def test_device_id_cpu(ranks2):
     ranks2.run(device_id_cpu)
+
+
+def manual_wrap_and_named_param_groups() -> None:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import enable_wrap, wrap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inner = C.make_model(0)
+    with enable_wrap(wrapper_cls=FSDP):
+        inner.blocks[0] = wrap(inner.blocks[0])
+    model = FSDP(inner, use_orig_params=True)
+    assert isinstance(model.blocks[0], FSDP) and not model.blocks[0].check_is_root()
+
+    def groups(named):
+        named = list(named)
+        return [
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.05},
+            {"params": [p for n, p in named if not n.endswith("bias")], "lr": 0.1},
+        ]
+
+    optim = torch.optim.SGD(groups(model.named_parameters()), momentum=0.9)
+    reference = C.make_model(0)
+    ref_optim = torch.optim.SGD(groups(reference.named_parameters()), momentum=0.9)
+    for step in range(2):
+        C.lm_loss(model, C.local_part(C.batches(step, world), rank, world)).backward()
+        optim.step()
+        optim.zero_grad()
+        C.lm_loss(reference, C.batches(step, world)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    assert C.max_param_diff(C.full_params(model), dict(reference.named_parameters())) <= 1e-5
+
+
+def test_manual_wrap_and_per_parameter_optimizer_groups(ranks2):
+    ranks2.run(manual_wrap_and_named_param_groups)

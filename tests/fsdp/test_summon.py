@@ -257,3 +257,26 @@ def test_summon_errors(ranks2):
 
 def test_apply_runs_on_full_params(ranks2):
     ranks2.run(apply_on_full_params)
+
+
+def summon_after_inference_forward() -> None:
+    """SHARD_GRAD_OP keeps parameters unsharded after a forward without backward; summon
+    reshards first, so it reads (and writes back to) the sharded parameters."""
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _wrapped("SHARD_GRAD_OP")
+    sharded = list(model.parameters())
+    with torch.no_grad():
+        model(C.batches(0, 1)[:, :-1])
+    assert not all(isinstance(p, DTensor) for p in model.parameters())
+    reference = dict(C.make_model(0).named_parameters())
+    with FSDP.summon_full_params(model):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, reference[name], rtol=0, atol=0)
+            param.data.zero_()
+    assert all(a is b for a, b in zip(model.parameters(), sharded, strict=True))
+    assert all(p.to_local().abs().sum() == 0 for p in model.parameters())
+
+
+def test_summon_after_inference_forward(ranks2):
+    ranks2.run(summon_after_inference_forward)

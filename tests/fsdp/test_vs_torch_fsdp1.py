@@ -79,3 +79,59 @@ def test_same_training_as_torch_fsdp1(ranks2, strategy, bf16, tol):
         f"clip norm diff {norm_diff:.2e}, param diff {param_diff:.2e}"
     )
     assert loss_diff <= tol and norm_diff <= tol and param_diff <= tol
+
+
+def _bn_script(fsdp_cls, **extra) -> tuple[list, dict, list]:
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = fsdp_cls(
+        nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        **extra,
+    )
+    units_without_mp = sorted(
+        "BatchNorm1d" if isinstance(m.module, nn.BatchNorm1d) else type(m.module).__name__
+        for m in fsdp_cls.fsdp_modules(model)
+        if m.mixed_precision is None or m.mixed_precision.param_dtype is None
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randn(4 * world, 8, generator=gen).chunk(world)[rank]
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(C.global_mean(loss))
+    with fsdp_cls.summon_full_params(model, writeback=False):
+        params = {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+    return losses, params, units_without_mp
+
+
+def batch_norm_side_by_side() -> tuple[float, float, list, list]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _bn_script(TorchFSDP, device_id=torch.device("cpu"))
+        ours = _bn_script(FSDP)
+    loss_diff = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
+    return loss_diff, C.max_param_diff(ours[1], theirs[1]), ours[2], theirs[2]
+
+
+def test_batch_norm_runs_without_mixed_precision_like_torch_fsdp1(ranks2):
+    loss_diff, param_diff, ours, theirs = ranks2.run(batch_norm_side_by_side)[0]
+    print(f"BatchNorm under bf16: loss diff {loss_diff:.2e}, param diff {param_diff:.2e}")
+    assert ours == theirs == ["BatchNorm1d"]
+    assert loss_diff <= 1e-6 and param_diff <= 1e-6
