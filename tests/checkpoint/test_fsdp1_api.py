@@ -102,7 +102,11 @@ def test_full_state_dict_and_optim_state_dict_match_torch_fsdp1(ranks2, kind):
         assert r["sharded_full_diff"] == 0.0
         assert r["sharded_param_types"] == {"DTensor"}
         assert r["osd_sharded_types"] == {"DTensor"}
-        assert r["settings_restored"] == StateDictType.FULL_STATE_DICT
+        native = {
+            "wrapper": StateDictType.FULL_STATE_DICT,
+            "fsdp2": StateDictType.SHARDED_STATE_DICT,
+        }
+        assert r["settings_restored"] == native[kind]
     # LOCAL: each rank's torch.chunk(dim=0) piece of every parameter (rows 10 -> 5+5, 3 -> 2+1).
     assert results[0]["local_shapes"]["inp.weight"] == (5, 6)
     assert results[0]["local_shapes"]["body.2.weight"] == (2, 9)
@@ -270,7 +274,14 @@ def test_legacy_optimizer_family_and_rekey(ranks2, kind):
 
 
 def _settings_checks() -> dict:
-    model = c.build("fsdp2")
+    wrapped, model = c.build("wrapper"), c.build("fsdp2")
+    defaults = (
+        FSDP.get_state_dict_type(wrapped).state_dict_type,
+        FSDP.get_state_dict_type(model).state_dict_type,
+    )
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full_inside = type(model.state_dict()["inp.weight"]).__name__
+    native_after = type(model.state_dict()["inp.weight"]).__name__
     errors = {}
     try:
         FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, LocalStateDictConfig())
@@ -281,6 +292,8 @@ def _settings_checks() -> dict:
     )
     now = FSDP.get_state_dict_type(model)
     return {
+        "defaults": defaults,
+        "types": (full_inside, native_after),
         "errors": errors,
         "prev": prev.state_dict_type,
         "now": (now.state_dict_type, now.state_dict_config.offload_to_cpu),
@@ -291,6 +304,10 @@ def _settings_checks() -> dict:
 def test_set_and_get_state_dict_type_follow_torch(ranks2):
     for r in ranks2.run(_settings_checks):
         assert "Expected state_dict_config of type" in r["errors"]["wrong_config"]
-        assert r["prev"] == StateDictType.FULL_STATE_DICT
+        # FSDP1's default for the wrapper; fully_shard's native DTensor output otherwise,
+        # restored when the context exits.
+        assert r["defaults"] == (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT)
+        assert r["types"] == ("Tensor", "DTensor")
+        assert r["prev"] == StateDictType.SHARDED_STATE_DICT
         assert r["now"] == (StateDictType.SHARDED_STATE_DICT, True)
         assert r["no_units"] is None
