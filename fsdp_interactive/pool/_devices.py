@@ -16,17 +16,36 @@ The result is cached per process and environment value. Not done: GPU names or m
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
+# ``cuda: Optional[str] = '12.4'`` / ``hip = '6.1'`` (anything but None) in torch/version.py
+_ASSIGNED = re.compile(r"^(cuda|hip)\b[^=]*=\s*(?!None\b)\S")
 _PROBE = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
 
 
 def cuda_build() -> bool:
-    """True when the installed torch was built with CUDA or ROCm (no device is touched)."""
-    import torch
+    """True when the installed torch was built with CUDA or ROCm (no device is touched).
 
+    Reads ``torch/version.py`` as text when torch is not imported yet (importing torch
+    takes seconds); falls back to importing it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            import torch
+        else:
+            return any(_ASSIGNED.search(line) for line in text.splitlines())
     return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
 
 

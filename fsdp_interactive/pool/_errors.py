@@ -24,12 +24,20 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+# Parts of a traceback that differ between ranks running the same code: IPython's
+# execution counter and the per-process cell file name.
+_PER_PROCESS = re.compile(r"In\[\d+\]|ipykernel_\d+[/\\]\d+\.py")
+
+
 def collapse(texts: dict[int, str]) -> list[tuple[list[int], str]]:
-    """Group identical texts: ``[(ranks, text), ...]`` in order of each group's lowest rank."""
+    """Group texts that are identical up to per-process details (cell counters/files).
+
+    Returns ``[(ranks, text of the group's lowest rank), ...]`` ordered by lowest rank.
+    """
     groups: dict[str, list[int]] = {}
     for rank in sorted(texts):
-        groups.setdefault(texts[rank], []).append(rank)
-    return sorted(((ranks, text) for text, ranks in groups.items()), key=lambda g: g[0][0])
+        groups.setdefault(_PER_PROCESS.sub("<cell>", texts[rank]), []).append(rank)
+    return [(ranks, texts[ranks[0]]) for ranks in sorted(groups.values())]
 
 
 class PoolError(RuntimeError):

@@ -457,7 +457,7 @@ class Pool:
                 pid, launcher = exited[0]
                 raise PoolStartError(
                     f"engine process {pid} exited before registering; last lines of its log:\n"
-                    + _tail(getattr(launcher, "output_file", ""))
+                    + _launcher_tail(launcher)
                 )
             if time.monotonic() > deadline:
                 raise PoolStartError(
@@ -664,6 +664,12 @@ class Pool:
                 errors[rank] = (type(exc).__name__, str(exc))
         if died:
             self._die(died)
+        if tracebacks and all(errors[r][0] == "KeyboardInterrupt" for r in tracebacks):
+            # interrupted through pool.interrupt() (or a signal) while we were waiting
+            in_collective = [r for r, t in tracebacks.items() if _mentions_distributed(t)]
+            if in_collective:
+                self.needs_restart = True
+            raise RankInterrupted(sorted(tracebacks), {}, in_collective)
         if tracebacks:
             raise RankError(tracebacks, errors)
         return results
@@ -684,10 +690,16 @@ class Pool:
         tails = {}
         for rank in dead:
             launcher = self._launchers_by_pid.get(records[rank].pid)
-            tails[rank] = _tail(getattr(launcher, "output_file", "")) if launcher else ""
+            tails[rank] = _launcher_tail(launcher) if launcher else ""
         codes = {rank: self._exit_code(records[rank].pid) for rank in dead}
         hosts = {rank: records[rank].host for rank in dead}
         pids = {rank: records[rank].pid for rank in dead}
+        # Survivors may be blocked in a collective that will never complete (NCCL waits
+        # forever; SIGTERM handlers do not run inside C++). The group is lost anyway:
+        # end them at once through their launchers' handles.
+        for launcher in self._launchers_by_pid.values():
+            with contextlib.suppress(Exception):
+                launcher.signal(signal.SIGKILL)
         self._teardown()
         self._state = "broken"
         raise RankDied(dead, codes, tails, hosts=hosts, pids=pids)
@@ -798,8 +810,7 @@ class Pool:
                 handle.get(0)
                 continue
             exc = handle.exception() if hasattr(handle, "exception") else None
-            text = _traceback_text(exc) if exc is not None else ""
-            if "torch/distributed/" in text.replace("\\", "/"):
+            if exc is not None and _mentions_distributed(_traceback_text(exc)):
                 in_collective.append(rank)
         if in_collective:
             self.needs_restart = True
@@ -940,14 +951,33 @@ def _size(path: str) -> int:
         return 0
 
 
-def _tail(path: str, lines: int = _LOG_TAIL_LINES) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
+def _launcher_tail(launcher: Any, lines: int = _LOG_TAIL_LINES) -> str:
+    """Last lines of an engine's log: from its file, or from what its launcher kept.
+
+    A local launcher reads and removes the file when it notices the exit, so the file
+    may already be gone.
+    """
+    text = ""
+    path = getattr(launcher, "output_file", "")
+    if path:
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            text = f.read()
+    if not text:
+        end = time.monotonic() + 2.0
+        while launcher.state != "after" and time.monotonic() < end:
+            time.sleep(_POLL_S)
+        with contextlib.suppress(Exception):
+            text = launcher.get_output() or ""
+    all_lines = text.splitlines(keepends=True)
+    fatal = [i for i, line in enumerate(all_lines) if line.startswith("Fatal Python error")]
+    if fatal:
+        # faulthandler's report of a crash (segfault, abort): keep it from its first line
+        return "".join(all_lines[fatal[-1] : fatal[-1] + 3 * lines])
+    return "".join(all_lines[-lines:])
+
+
+def _mentions_distributed(traceback_text: str) -> bool:
+    return "torch/distributed/" in traceback_text.replace("\\", "/")
 
 
 def _traceback_text(exc: BaseException) -> str:

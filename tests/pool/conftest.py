@@ -1,0 +1,81 @@
+"""Fixtures for the pool tests: one real 2-rank ipyparallel pool shared by the session.
+
+Every process any pool starts is recorded (pid and start time); when the session ends
+the shared pool is stopped and every recorded process must be gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fsdp_interactive.pool import Pool
+
+_RECORDED: dict[int, float] = {}
+
+
+def record(pool: Pool) -> None:
+    """Remember every process ``pool`` has started so far."""
+    _RECORDED.update(pool.launched_pids)
+
+
+def alive(pids: dict[int, float]) -> list[int]:
+    """Those of ``pids`` (pid -> create_time) that still run (zombies count as gone)."""
+    running = []
+    for pid, created in pids.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def wait_gone(pids: dict[int, float], timeout: float = 20.0) -> list[int]:
+    """Wait up to ``timeout`` for ``pids`` to end; the ones still running."""
+    end = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+@pytest.fixture(scope="session")
+def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A private ipyparallel profile directory (connection files, logs) for the session."""
+    return str(tmp_path_factory.mktemp("ipython-profile"))
+
+
+@pytest.fixture(scope="session")
+def session_pool(profile_dir: str) -> Iterator[Pool]:
+    pool = Pool(n=2, devices="cpu", profile_dir=profile_dir, show_topology=False)
+    pool.interrupt_grace = 3.0
+    try:
+        yield pool.start()
+    finally:
+        record(pool)
+        pool.stop()
+        record(pool)
+        left = wait_gone(_RECORDED)
+        assert not left, f"processes left running after the pool tests: {left}"
+
+
+@pytest.fixture
+def pool(session_pool: Pool) -> Pool:
+    """The shared 2-rank pool, running and healthy (restarted if a test broke it)."""
+    if not session_pool.running or session_pool.needs_restart:
+        session_pool.restart()
+    record(session_pool)
+    return session_pool
+
+
+@pytest.fixture
+def marker_dir(tmp_path: Path) -> Path:
+    """A directory ranks and test threads use to tell each other where they are."""
+    os.chmod(tmp_path, 0o700)
+    return tmp_path

@@ -1,0 +1,43 @@
+"""A pool over an ipyparallel cluster it did not start: it forms the group, never ends engines."""
+
+from __future__ import annotations
+
+import logging
+
+import ipyparallel as ipp
+import psutil
+
+from fsdp_interactive.pool import Pool
+from tests.pool.conftest import alive, record, wait_gone
+
+
+def test_connect_to_a_running_cluster(profile_dir):
+    cluster = ipp.Cluster(n=2, profile_dir=profile_dir, log_level=logging.ERROR)
+    cluster.start_cluster_sync()
+    try:
+        engine_pids = {
+            launcher.pid: psutil.Process(launcher.pid).create_time()
+            for engine_set in cluster.engines.values()
+            for launcher in engine_set.launchers.values()
+        }
+        pool = Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id, n=2)
+        assert not pool.owns_engines
+        pool.start()
+        record(pool)
+        assert {r.pid for r in pool.topology} == set(engine_pids)
+        assert pool.run("dist.all_reduce(t := torch.ones(1)); t.item()", stream=False).results == {
+            0: "2.0",
+            1: "2.0",
+        }
+        pool.restart()  # leaves the group and forms a new one on the same engines
+        assert {r.pid for r in pool.topology} == set(engine_pids)
+        assert pool.call(lambda: __import__("torch.distributed").distributed.get_world_size()) == [
+            2,
+            2,
+        ]
+        pool.stop()
+        assert pool.launched_pids == {}
+        assert sorted(alive(engine_pids)) == sorted(engine_pids), "engines it does not own survive"
+    finally:
+        cluster.stop_cluster_sync()
+    assert wait_gone(engine_pids) == []

@@ -1,0 +1,161 @@
+"""Hangs, interrupts and dying ranks on the shared 2-rank pool; the pool restarts after each."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fsdp_interactive.pool import (
+    Pool,
+    PoolNotRunning,
+    RankDied,
+    RankInterrupted,
+    RankTimeout,
+    RunResult,
+)
+from tests.pool.conftest import record, wait_gone
+
+
+def _when_files_exist(paths: list[Path], action: Callable[[], None], timeout: float = 60) -> None:
+    """Run ``action`` in a thread as soon as every path exists (ranks create them)."""
+
+    def watch() -> None:
+        end = time.monotonic() + timeout
+        while not all(p.exists() for p in paths):
+            if time.monotonic() > end:
+                return
+            time.sleep(0.02)
+        action()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _interrupt_this_process() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _arrive(marker_dir: Path) -> str:
+    return f"import os\nopen(os.path.join({str(marker_dir)!r}, f'arrived{{rank}}'), 'w').close()\n"
+
+
+def _restart_and_check(pool: Pool) -> None:
+    old = {r.pid for r in pool.topology}
+    pool.restart()
+    record(pool)
+    assert pool.running and not pool.needs_restart
+    assert {r.pid for r in pool.topology}.isdisjoint(old)
+    assert pool.run("dist.all_reduce(t := torch.ones(1)); t.item()", stream=False).results == {
+        0: "2.0",
+        1: "2.0",
+    }
+
+
+def test_slow_run_times_out_with_stacks_and_can_be_waited_for(pool: Pool):
+    code = "import time\nif rank == 1:\n    time.sleep(4)\ndist.barrier()\nrank"
+    with pytest.raises(RankTimeout) as info:
+        pool.run(code, timeout=1.5, stream=False)
+    err = info.value
+    assert isinstance(err, TimeoutError)
+    assert err.pending == [0, 1]
+    assert "barrier" in err.where[0]
+    assert "time.sleep(4)" in err.where[1]
+    result = err.wait(60)  # the ranks were not stopped: the same run completes
+    assert isinstance(result, RunResult) and result.results == {0: "0", 1: "1"}
+
+
+def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool, capsys):
+    code = (
+        "import time\n"
+        "if rank == 0:\n"
+        "    dist.barrier()\n"
+        "else:\n"
+        "    while True:\n"
+        "        time.sleep(0.1)\n"
+    )
+    with pytest.raises(RankTimeout) as info:
+        pool.run(code, timeout=2)
+    err = info.value
+    assert sorted(err.stacks) == [0, 1]
+    assert err.where[0] == "in barrier (distributed_c10d.py:" + err.where[0].split(":")[-1]
+    assert "time.sleep(0.1)" in err.where[1]
+    assert "distributed_c10d.py" in err.stacks[0] and "in barrier" in err.stacks[0]
+    assert "in barrier" not in err.stacks[1]
+    text = str(err)
+    assert "rank 0: in barrier" in text and "rank 1: in <module>" in text
+
+    # Keep waiting, then "press Ctrl-C": SIGINT goes to both ranks; rank 1 stops,
+    # rank 0 stays blocked inside the collective and the pool says to restart.
+    timer = threading.Timer(1.0, _interrupt_this_process)
+    timer.start()
+    with pytest.raises(RankInterrupted) as interrupted:
+        err.wait()
+    timer.join()
+    stopped = interrupted.value
+    assert stopped.ranks == [0, 1]
+    assert list(stopped.stuck) == [0] and "barrier" in stopped.stuck[0]
+    assert stopped.needs_restart and pool.needs_restart
+    assert "must be restarted" in str(stopped)
+    _restart_and_check(pool)
+
+
+def test_ctrl_c_interrupts_a_long_loop_and_the_pool_stays_usable(pool: Pool, marker_dir: Path):
+    code = _arrive(marker_dir) + "import time\nfor step in range(100000):\n    time.sleep(0.05)\n"
+    paths = [marker_dir / f"arrived{r}" for r in (0, 1)]
+    _when_files_exist(paths, _interrupt_this_process)
+    started = time.monotonic()
+    with pytest.raises(RankInterrupted) as info:
+        pool.run(code, timeout=120, stream=False)
+    assert time.monotonic() - started < 60
+    assert info.value.ranks == [0, 1]
+    assert info.value.stuck == {} and not info.value.needs_restart
+    assert pool.pull("step")[0] < 99999
+    assert pool.run("rank", stream=False).results == {0: "0", 1: "1"}
+
+
+def test_interrupt_method_stops_a_running_loop(pool: Pool, marker_dir: Path):
+    code = _arrive(marker_dir) + "import time\nwhile True:\n    time.sleep(0.05)\n"
+    paths = [marker_dir / f"arrived{r}" for r in (0, 1)]
+    _when_files_exist(paths, pool.interrupt)
+    with pytest.raises(RankInterrupted) as info:
+        pool.run(code, timeout=120, stream=False)
+    assert info.value.ranks == [0, 1] and not info.value.needs_restart
+    assert pool.run("rank", stream=False).results == {0: "0", 1: "1"}
+
+
+def test_sigkill_during_all_reduce_loop_raises_rank_died(pool: Pool, marker_dir: Path, capsys):
+    victim = pool.topology[1].pid
+    survivor = {pool.topology[0].pid: 0.0}
+    import psutil
+
+    survivor = {pid: psutil.Process(pid).create_time() for pid in survivor}
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(victim, signal.SIGKILL)
+
+    code = (
+        _arrive(marker_dir)
+        + "t = torch.ones(64)\nfor step in range(10**9):\n    dist.all_reduce(t)\n    t.fill_(1)\n"
+    )
+    _when_files_exist([marker_dir / f"arrived{r}" for r in (0, 1)], kill)
+    with pytest.raises(RankDied) as info:
+        pool.run(code, timeout=120, stream=False)
+    latency = time.monotonic() - killed_at[0]
+    err = info.value
+    assert err.ranks == [1]
+    assert err.exit_codes[1] == -signal.SIGKILL
+    assert "killed by signal SIGKILL" in str(err) and "pool.restart()" in str(err)
+    assert pool.state == "broken"
+    assert wait_gone(survivor) == [], "the surviving rank must not be left hanging"
+    with pytest.raises(PoolNotRunning, match="restart"):
+        pool.run("1")
+    with capsys.disabled():
+        print(f"\n[measured] SIGKILL -> RankDied latency: {latency:.2f}s")
+    _restart_and_check(pool)
