@@ -37,8 +37,25 @@ def resolve_device(
     """The compute device: ``device_id`` if given, else where the module's states live, else CPU.
 
     An ``int`` names an index of the current accelerator type (FSDP1: a CUDA index); a
-    ``torch.device`` without an index on an accelerator means the current index.
+    ``torch.device`` without an index on an accelerator means the current index. For an
+    accelerator device with another index than the current one, the current device is
+    switched to it (``fully_shard`` computes on the current device of the mesh's type).
     """
+    device = _requested_device(device_id, module, ignored_params)
+    accelerator_index = device.index if device.type not in ("cpu", "meta") else None
+    if (
+        accelerator_index is not None
+        and torch.accelerator.current_device_index() != accelerator_index
+    ):
+        torch.accelerator.set_device_index(accelerator_index)
+    return device
+
+
+def _requested_device(
+    device_id: int | torch.device | None,
+    module: nn.Module,
+    ignored_params: frozenset[nn.Parameter],
+) -> torch.device:
     if isinstance(device_id, int):
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is None:

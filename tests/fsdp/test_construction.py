@@ -290,6 +290,17 @@ def hybrid_meshes_from_groups_and_env() -> None:
     ref = C.train_reference(2, world)
     assert C.max_param_diff(C.full_params(model), ref.params) <= 1e-5
 
+    # FULL_SHARD over a sub-group: each pair of ranks is its own data-parallel job.
+    pair = FSDP(C.make_model(0), process_group=intra)
+    assert tuple(pair.embed.weight.device_mesh.shape) == (2,) and pair.world_size == 2
+    pair_rank = dist.get_rank(intra)
+    pair_optim = C.make_optimizer(pair.parameters())
+    for step in range(2):
+        C.lm_loss(pair, C.local_part(C.batches(step, 2), pair_rank, 2)).backward()
+        pair_optim.step()
+        pair_optim.zero_grad()
+    assert C.max_param_diff(C.full_params(pair), C.train_reference(2, 2).params) <= 1e-5
+
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
