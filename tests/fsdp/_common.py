@@ -81,7 +81,8 @@ def local_part(global_batch: torch.Tensor, rank: int, world_size: int) -> torch.
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    targets = tokens[:, 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets)
 
 
 def make_optimizer(params: Any) -> torch.optim.Optimizer:

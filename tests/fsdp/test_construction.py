@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fsdp import _common as C
 
@@ -523,3 +524,70 @@ def manual_wrap_and_named_param_groups() -> None:
 
 def test_manual_wrap_and_per_parameter_optimizer_groups(ranks2):
     ranks2.run(manual_wrap_and_named_param_groups)
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records the order of all-gathers, reduce-scatters and marked forward starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "allgather" in name:
+            self.events.append("AG")
+        elif "reduce_scatter" in name:
+            self.events.append("RS")
+        return func(*args, **(kwargs or {}))
+
+
+def _schedule(backward_prefetch, forward_prefetch: bool) -> tuple[list, list]:
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = FSDP(
+        C.make_model(0),
+        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
+    tokens = C.local_part(C.batches(0, world), rank, world)
+    C.lm_loss(model, tokens).backward()  # first iteration: forward order is recorded
+    log = CollectiveLog()
+    for i, block in enumerate(model.blocks):
+        block.module.register_forward_pre_hook(lambda *_, i=i: log.events.append(f"fwd{i}"))
+    with log:
+        loss = C.lm_loss(model, tokens)
+        forward = list(log.events)
+        log.events.clear()
+        loss.backward()
+    return forward, log.events
+
+
+def prefetch_schedules() -> dict:
+    from fsdp_interactive.fsdp import BackwardPrefetch
+
+    plain_fwd, pre_bwd = _schedule(BackwardPrefetch.BACKWARD_PRE, False)
+    prefetch_fwd, no_prefetch_bwd = _schedule(None, True)
+    return {
+        "forward": plain_fwd,
+        "forward_prefetch": prefetch_fwd,
+        "backward_pre": pre_bwd,
+        "backward_none": no_prefetch_bwd,
+    }
+
+
+def test_prefetch_arguments_change_the_collective_order(ranks2):
+    s = ranks2.run(prefetch_schedules)[0]
+    print(s)
+    # forward_prefetch: block 1's all-gather is issued before block 0 computes.
+    assert s["forward"] == ["AG", "AG", "fwd0", "AG", "fwd1"]
+    assert s["forward_prefetch"] == ["AG", "AG", "AG", "fwd0", "fwd1"]
+    # BACKWARD_PRE: the next unit's all-gather precedes the current unit's reduce-scatter;
+    # backward_prefetch=None: each all-gather waits until the previous unit reduced.
+    first_rs = s["backward_pre"].index("RS")
+    assert s["backward_pre"][:first_rs].count("AG") == 2
+    first_rs = s["backward_none"].index("RS")
+    assert s["backward_none"][:first_rs].count("AG") == 1
