@@ -13,6 +13,10 @@ HYBRID_SHARD       2-D ``(replicas, shard size)``               True
 _HYBRID_SHARD_ZERO2 2-D ``(replicas, shard size)``              False
 ================== ============================================ =======================
 
+``True`` here means "free after forward"; the unit config hands ``fully_shard`` ``None`` for
+it, which frees every unit's parameters after forward except the root's (kept for the
+backward that follows), FSDP1's own schedule.
+
 Dimension 0 of a 2-D mesh replicates and dimension 1 shards (``fully_shard``'s HSDP layout,
 which is also FSDP1's: intra-node shard group, inter-node replicate group). The hybrid mesh
 comes from ``device_mesh`` when given, from a ``process_group=(intra, inter)`` tuple (built as

@@ -17,8 +17,13 @@ What differs from torch's FSDP1 (and why):
   groups as the unwrapped model. ``named_modules()`` keeps the wrapper level.
 * Which unit is the root is structural: a unit is a root unless a unit above it was built
   around it (FSDP1 decides at the first forward).
-* Forward inside ``summon_full_params`` raises; between a forward and its backward the engine
-  cannot tell that an iteration is open, so ``summon_full_params`` there is not rejected.
+* Forward inside ``summon_full_params`` raises ``RuntimeError``. Between a forward and its
+  backward units are idle, so ``summon_full_params`` there is allowed (as in FSDP1).
+* Without ``device_id`` the compute device is where the module's parameters are, else CPU
+  (FSDP1 requires an accelerator or an explicit CPU ``device_id``).
+* ``FULL_SHARD``/``HYBRID_SHARD`` units free parameters after forward except the root, which
+  keeps them for backward, as FSDP1 does (``reshard_after_forward=None`` in ``fully_shard``).
+  Forward-less containers (``nn.ModuleList``/``ModuleDict``) never become units.
 * ``limit_all_gathers=False``, ``BACKWARD_POST`` and ``keep_low_precision_grads`` warn once
   and run as described in :mod:`._config`.
 
