@@ -268,9 +268,10 @@ def load(
     folder = Path(path).absolute()
     try:
         manifest, metadata = _check_folder(folder)
+        extra = _manifest.read_extra(folder)
         error = None
     except CheckpointError as exc:
-        manifest, metadata, error = None, None, exc
+        manifest, metadata, extra, error = None, None, {}, exc
     ranks.agree(error)
     assert manifest is not None and metadata is not None
     _verify_files(folder, manifest, metadata, ranks, verify)
@@ -321,13 +322,7 @@ def load(
 
     _state.apply_model_state(model, target["model"], strict=False)
     if "optim" in target:
-        optim_state = target["optim"]
-        optim_state["state"] = {
-            k: {n: v for n, v in s.items()}
-            for k, s in optim_state["state"].items()
-            if k in _state.param_fqns(model).values()
-        }
-        _state.apply_optimizer_state(model, optimizer, optim_state)
+        _state.apply_optimizer_state(model, optimizer, target["optim"])
     return LoadReport(
         path=str(folder),
         step=manifest.step,
@@ -336,6 +331,6 @@ def load(
         loaded_optimizer="optim" in target,
         missing_keys=list(missing),
         unexpected_keys=list(unexpected),
-        extra=_manifest.read_extra(folder),
+        extra=extra,
         seconds=time.monotonic() - started,
     )

@@ -105,7 +105,7 @@ class SaveHandle:
 
 _inflight_lock = threading.Lock()
 _inflight: SaveHandle | None = None
-_side_groups: dict[int, dist.ProcessGroup] = {}
+_side_group: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
 def _wait_for_inflight(if_busy: IfBusy, ranks: Ranks) -> None:
@@ -135,14 +135,11 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group reserved for background checkpoint traffic (created once, collectively)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    global _side_group
     default = dist.distributed_c10d._get_default_group()
-    key = id(default)
-    group = _side_groups.get(key)
-    if group is None:
-        group = dist.new_group(backend="gloo")
-        _side_groups.clear()
-        _side_groups[key] = group
-    return group
+    if _side_group is None or _side_group[0] is not default:
+        _side_group = (default, dist.new_group(backend="gloo"))
+    return _side_group[1]
 
 
 def _resolve_step(step: int | None, extra: Mapping[str, Any] | None) -> int | None:
