@@ -290,6 +290,17 @@ def hybrid_meshes_from_groups_and_env() -> None:
         optim.zero_grad()
     ref = C.train_reference(2, world)
     assert C.max_param_diff(C.full_params(model), ref.params) <= 1e-5
+    # clip_grad_norm_ over the 2-D mesh: reduced over the shard dimension only.
+    C.lm_loss(model, C.local_part(C.batches(5, world), rank, world)).backward()
+    reference = C.make_model(0)
+    reference.load_state_dict(ref.params)  # the trained reference
+    C.lm_loss(reference, C.batches(5, world)).backward()
+    for norm_type in (2.0, float("inf")):
+        expected = torch.nn.utils.get_total_norm(
+            [p.grad for p in reference.parameters()], norm_type
+        )
+        total = model.clip_grad_norm_(1e9, norm_type)  # no clipping: compare norms only
+        assert abs(total.item() - expected.item()) <= 1e-5 * expected.item(), (total, expected)
 
     # FULL_SHARD over a sub-group: each pair of ranks is its own data-parallel job.
     pair = FSDP(C.make_model(0), process_group=intra)
