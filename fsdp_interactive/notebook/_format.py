@@ -47,15 +47,18 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
+_CELL = "padding:1px 10px;text-align:left"
+
+
 def html_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], marks: set[int] = frozenset()
 ) -> str:
     """An HTML table; rows whose index is in ``marks`` are highlighted."""
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    head = "".join(f'<th style="{_CELL}">{html.escape(str(h))}</th>' for h in headers)
     body = []
     for i, row in enumerate(rows):
         style = ' style="background:#fdd"' if i in marks else ""
-        cells = "".join(f"<td>{html.escape(str(c))}</td>" for c in row)
+        cells = "".join(f'<td style="{_CELL}">{html.escape(str(c))}</td>' for c in row)
         body.append(f"<tr{style}>{cells}</tr>")
     return (
         '<table class="fsdp-interactive" style="border-collapse:collapse;font-family:monospace">'

@@ -1,0 +1,160 @@
+"""JupyterLab in headless Chromium: run the layout and grad-norm widgets, check the DOM.
+
+Needs Debian's ``chromium`` (``apt-get install chromium``), ``jupyterlab`` and
+``playwright`` (the ``browser`` extra); without them the test is skipped with the reason.
+The JupyterLab server is started and stopped by this test (by its handle); the notebook
+stops its own pool in its last cell, and the kernel's exit stops it otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM = (
+    os.environ.get("FSDPI_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+)
+REPO = Path(__file__).resolve().parents[2]
+
+CELLS = [
+    "%load_ext fsdp_interactive",
+    "%fsdp start -n 2 --backend gloo",
+    "%%fsdp --no-stream\n"
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.fsdp import fully_shard\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))\n"
+    "fully_shard(model, mesh=init_device_mesh('cpu', (world_size,)))\n"
+    "model(torch.randn(4, 6)).square().sum().backward()",
+    "from fsdp_interactive.notebook import GradNormView, LayoutView, RankModel, current_pool\n"
+    "source = RankModel(current_pool(), 'model')\n"
+    "LayoutView(source)",
+    "GradNormView(source)",
+    "%fsdp stop\nprint('pool stopped')",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_server(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
+            if reply.status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"jupyter lab did not answer at {url} within {timeout}s")
+
+
+@pytest.fixture()
+def lab(tmp_path):
+    pytest.importorskip("jupyterlab", reason="needs jupyterlab (pip install '.[browser]')")
+    pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install '.[browser]')")
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
+    nbformat.write(notebook, tmp_path / "widgets.ipynb")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        IPP_NONINTERACTIVE="1",
+    )
+    log = open(tmp_path / "lab.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--LabApp.expose_app_in_browser=True",
+            "--ServerApp.port_retries=0",
+            "--allow-root",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", proc)
+        yield f"{base}/lab/tree/widgets.ipynb?token={token}", tmp_path
+    finally:
+        proc.terminate()  # the server shuts its kernels down; their pools stop at exit
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def test_widgets_render_in_jupyterlab(lab):
+    from playwright import sync_api
+
+    url, tmp_path = lab
+    with sync_api.sync_playwright() as driver:
+        browser = driver.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 2200})
+            page.goto(url)
+            page.wait_for_function(
+                "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+                " return w && w.sessionContext && w.sessionContext.session"
+                " && w.sessionContext.session.kernel"
+                " && w.sessionContext.session.kernel.connectionStatus === 'connected'; }",
+                timeout=120_000,
+            )
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            page.get_by_text("pool stopped", exact=True).wait_for(timeout=240_000)
+            tables = page.locator(".widget-html-content table.fsdp-interactive")
+            tables.first.wait_for(timeout=30_000)
+            text = " ".join(tables.all_inner_texts())
+            shots = REPO / "out" / "figures"
+            with contextlib.suppress(OSError):
+                shots.mkdir(parents=True, exist_ok=True)
+            page.screenshot(
+                path=str((shots if shots.is_dir() else tmp_path) / "jupyterlab_widgets.png"),
+                full_page=True,
+            )
+            for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+                assert name in text
+            assert page.locator(".widget-image").count() >= 2
+            html_texts = page.locator(".widget-html-content").all_inner_texts()
+            assert any("global norm:" in t for t in html_texts)
+        finally:
+            browser.close()
