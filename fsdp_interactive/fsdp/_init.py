@@ -11,7 +11,8 @@ Each FSDP unit runs, in order, just before ``fully_shard`` shards it:
    step, a meta-device model is never whole on one rank: the peak is the sharded rest plus
    one unit's full parameters.
 3. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
-   buffers are broadcast from the mesh's first rank (coalesced per dtype).
+   buffers are broadcast from the mesh's first rank (coalesced per dtype, sent on the mesh's
+   device, so CPU-resident modules work with NCCL too).
 
 Not done here: moving states to the compute device (``fully_shard`` moves the parameters and
 buffers it manages; ignored modules are moved by the constructor when ``device_id`` is given).
@@ -162,8 +163,14 @@ def broadcast_from_rank0(
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    comm_device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    )
     for bucket in by_dtype.values():
-        flat = _flatten_dense_tensors([t.detach() for t in bucket])
+        # Communicate on the mesh's device (NCCL cannot send CPU tensors); copy back after.
+        flat = _flatten_dense_tensors([t.detach() for t in bucket]).to(comm_device)
         dist.broadcast(flat, src=source, group=group)
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(synced)

@@ -1,5 +1,6 @@
-"""CUDA/NCCL: device_id as an int, pinned CPU offload, torch's compression hooks unchanged,
-summon_full_params(offload_to_cpu). Skipped where no CUDA device is present.
+"""CUDA/NCCL: device_id as an int, sync_module_states from a CPU module, pinned CPU offload,
+torch's compression hooks unchanged, summon_full_params(offload_to_cpu). Skipped where no
+CUDA device is present.
 
 Runs ``min(2, device_count)`` NCCL ranks in spawned processes (one GPU each).
 """
@@ -57,7 +58,7 @@ def _checks(rank: int, world: int) -> dict:
     ref = _reference(world, device)
     out = {}
     for label, kwargs, tol in (
-        ("fp32", {}, 1e-5),
+        ("fp32", {"sync_module_states": True}, 1e-5),  # CPU module broadcast over NCCL
         ("bf16", {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, 1e-2),
         ("offload", {"cpu_offload": CPUOffload(offload_params=True)}, 1e-5),
         ("bf16_hook", {"_hook": default_hooks.bf16_compress_hook}, 1e-2),
