@@ -7,6 +7,7 @@ raise. Rank-side start-up code lives in :mod:`fsdp_interactive.pool._rank_bootst
 
 from fsdp_interactive.pool._devices import visible_cuda_device_count
 from fsdp_interactive.pool._errors import (
+    PoolBusy,
     PoolError,
     PoolNotRunning,
     PoolStartError,
@@ -21,6 +22,7 @@ from fsdp_interactive.pool._topology import RankRecord
 
 __all__ = [
     "Pool",
+    "PoolBusy",
     "PoolError",
     "PoolNotRunning",
     "PoolStartError",

@@ -48,6 +48,12 @@ class PoolStartError(PoolError):
     """The pool could not start; everything it had started has been stopped again."""
 
 
+class PoolBusy(PoolError):
+    """Ranks are still running an earlier call (one that timed out or was interrupted
+    and did not stop); new work would queue behind it. Wait for it, interrupt it or
+    restart the pool."""
+
+
 class PoolNotRunning(PoolError):
     """The pool is stopped or broken (a rank died): call ``start()`` or ``restart()``."""
 

@@ -14,12 +14,41 @@ Contract (what the notebook front relies on):
   :class:`RankDied` (a rank process exited; the group is torn down, ``restart()``),
   :class:`RankInterrupted` (Ctrl-C / kernel interrupt during a blocking call; SIGINT was
   forwarded to the ranks through ipyparallel's nanny).
+* While ranks still run a call that timed out or was interrupted, new calls raise
+  :class:`PoolBusy` instead of queueing silently behind it.
 * ``stop()`` ends exactly the processes the pool started (through ipyparallel's launcher
   handles, then by recorded pid if any survive); it also runs at interpreter exit.
 
+Mechanisms:
+
+* Rendezvous: rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race),
+  all ranks call ``init_process_group`` concurrently on it, then count themselves in on
+  the store and wait for the full count; one ``all_reduce`` checks the backend.
+* Stacks: each rank registers ``faulthandler`` on SIGUSR1 writing to a per-rank file;
+  the pool sends the signal through ipyparallel's nanny (``Client.send_signal``) and
+  reads the file. The dump is written from the C signal handler, so it works while the
+  rank's main thread is blocked inside a C++ collective, and nothing is interrupted.
+* Death: every poll checks that each rank's engine is still registered (the nanny
+  reports an exit to the controller at once) and, for local engines, that its process
+  is alive; the launcher handle gives the exit status, the engine log its last lines.
+  Survivors are killed through their launcher handles, since a collective with a dead
+  peer may never return (NCCL) and ``SIGTERM`` handlers do not run inside C++.
+* Interrupt: engines run in their own session (ipyparallel's local launchers), so a
+  notebook interrupt reaches only the kernel; the pool forwards SIGINT to the ranks
+  through the nanny, waits ``interrupt_grace`` seconds, and reports ranks that did not
+  stop, with where they are.
+
+Multi-node (not exercised by the test-suite, which runs on one host): any ipyparallel
+engine launcher can be named with ``engines=`` (its options pass through, including
+``controller_ip`` which a multi-host cluster needs, since the controller listens on
+loopback by default), or ``Pool.connect()`` joins a running cluster. Ranks of one host
+are contiguous, ``LOCAL_RANK`` counts within a host, ``MASTER_ADDR`` is rank 0's
+address and the rendezvous store then listens on all interfaces; stack files of ranks
+on other hosts stay on those hosts (their path is reported) and exit statuses of remote
+engines are unknown.
+
 Not done: restarting a single rank (a group cannot take a rank back; the whole group is
-restarted), checkpointing state across ``restart()``, multi-node placement decisions
-beyond "ranks of one host are contiguous, MASTER_ADDR is rank 0's address".
+restarted), keeping rank state across ``restart()``.
 """
 
 from __future__ import annotations
@@ -32,7 +61,6 @@ import signal
 import socket
 import tempfile
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +69,7 @@ import psutil
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._devices import visible_cuda_device_count
 from fsdp_interactive.pool._errors import (
+    PoolBusy,
     PoolNotRunning,
     PoolStartError,
     RankDied,
@@ -59,7 +88,9 @@ _LOG_TAIL_LINES = 20
 _STACK_WAIT_S = 3.0
 _OUTPUT_GRACE_S = 2.0
 
-_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+# Running pools are held here until stopped, so one is never garbage-collected while
+# its processes run; at interpreter exit every pool still here is stopped.
+_live_pools: set[Pool] = set()
 
 
 def _stop_live_pools() -> None:
@@ -159,6 +190,8 @@ class Pool:
         self._thread_ids: dict[int, int] = {}
         self._stack_paths: dict[int, str] = {}
         self._last_frames: dict[int, list[Any]] = {}
+        # per-rank handles of calls that timed out or were interrupted but still run
+        self._unfinished: dict[int, list[Any]] = {}
         #: Every pid this pool started (controller, engines, their nannies), across restarts.
         self.launched_pids: dict[int, float] = {}
         #: True after an interrupt landed inside torch.distributed; restart() clears it.
@@ -411,6 +444,8 @@ class Pool:
 
         kwargs = dict(self._cluster_kwargs)
         kwargs.setdefault("log_level", logging.ERROR)
+        # The pool stops its cluster at exit itself (engines first, on its own loop).
+        kwargs.setdefault("shutdown_atexit", False)
         kwargs.setdefault("engine_timeout", int(self.timeout))
 
         async def launch() -> None:
@@ -561,7 +596,29 @@ class Pool:
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}"
             )
-        return self._resolve_targets(targets)
+        ranks = self._resolve_targets(targets)
+        busy = self.busy_ranks()
+        if busy:
+            raise PoolBusy(
+                f"{'rank' if len(busy) == 1 else 'ranks'} {', '.join(map(str, busy))} "
+                "still run an earlier call that timed out or was interrupted; new work would "
+                "wait behind it. Wait for it (RankTimeout.wait()), interrupt it "
+                "(pool.interrupt()) or start a fresh group (pool.restart())."
+            )
+        return ranks
+
+    def busy_ranks(self) -> list[int]:
+        """Ranks still running a call that timed out or was interrupted."""
+        self._unfinished = {
+            rank: [h for h in handles if not h.ready()]
+            for rank, handles in self._unfinished.items()
+        }
+        return sorted(rank for rank, handles in self._unfinished.items() if handles)
+
+    def _remember_unfinished(self, handles: dict[int, Any]) -> None:
+        for rank, handle in handles.items():
+            if not handle.ready():
+                self._unfinished.setdefault(rank, []).append(handle)
 
     def _require_running(self) -> None:
         if self._state == "broken":
@@ -625,6 +682,7 @@ class Pool:
                     if dead:
                         self._die(dead)
                     if end is not None and time.monotonic() > end:
+                        self._remember_unfinished(handles)
                         raise self._timeout_error(pending, limit_text, code, wait)
                     handles[pending[0]].wait(_POLL_S)
                 for handle in handles.values():
@@ -814,6 +872,7 @@ class Pool:
                 in_collective.append(rank)
         if in_collective:
             self.needs_restart = True
+        self._remember_unfinished(handles)
         raise RankInterrupted(pending, stuck, sorted(set(in_collective))) from None
 
     def _signal(self, ranks: Iterable[int], sig: int) -> None:
@@ -859,6 +918,7 @@ class Pool:
                 os.rmdir(self._stack_dir)
         self._client = self._cluster = self._loop = None
         self._views = {}
+        self._unfinished = {}
         self._records = []
         self._launchers_by_pid = {}
         self._stack_dir = None

@@ -133,6 +133,12 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     )
     device = torch.device(spec["device"])
     if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if device.index is None or device.index >= visible:
+            raise ValueError(
+                f"device {device} is not present on {socket.gethostname()}: "
+                f"{visible} CUDA device(s) visible"
+            )
         # Pin before anything else can create a context on the wrong device.
         torch.cuda.set_device(device)
     _install_stack_dumper(spec["stack_path"])

@@ -13,6 +13,7 @@ import pytest
 
 from fsdp_interactive.pool import (
     Pool,
+    PoolBusy,
     PoolNotRunning,
     RankDied,
     RankInterrupted,
@@ -88,6 +89,9 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
     assert "in barrier" not in err.stacks[1]
     text = str(err)
     assert "rank 0: in barrier" in text and "rank 1: in <module>" in text
+    assert pool.busy_ranks() == [0, 1]
+    with pytest.raises(PoolBusy, match="still run an earlier call"):
+        pool.run("1")
 
     # Keep waiting, then "press Ctrl-C": SIGINT goes to both ranks; rank 1 stops,
     # rank 0 stays blocked inside the collective and the pool says to restart.
@@ -101,6 +105,7 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
     assert list(stopped.stuck) == [0] and "barrier" in stopped.stuck[0]
     assert stopped.needs_restart and pool.needs_restart
     assert "must be restarted" in str(stopped)
+    assert pool.busy_ranks() == [0]
     _restart_and_check(pool)
 
 
