@@ -58,14 +58,20 @@ class RunResult:
 
     ``ranks``: the ranks it ran on, in order; ``stdout``/``stderr``: full captured text
     per rank; ``results``: per rank, the ``text/plain`` form of the cell's last
-    expression value (``None`` when the cell ended with a statement); ``elapsed``:
-    seconds from submission to the last rank finishing.
+    expression value (``None`` when the cell ended with a statement);
+    ``result_data``: the full MIME bundle of that value (``{}`` when none);
+    ``displays``: per rank, the ``display_data`` contents (``{"data": ..., "metadata":
+    ...}``) the code published, e.g. figures; ``elapsed``: seconds from submission to
+    the last rank finishing. Displays are collected, not shown: showing them is the
+    notebook front's choice.
     """
 
     ranks: list[int]
     stdout: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, str] = field(default_factory=dict)
     results: dict[int, str | None] = field(default_factory=dict)
+    result_data: dict[int, dict[str, Any]] = field(default_factory=dict)
+    displays: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     elapsed: float = 0.0
 
     def output(self, rank: int) -> str:

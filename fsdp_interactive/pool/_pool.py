@@ -355,7 +355,13 @@ class Pool:
                 metadata = handle.metadata
                 result.stdout[rank] = metadata["stdout"]
                 result.stderr[rank] = metadata["stderr"]
-                result.results[rank] = plain_result(metadata.get("execute_result"))
+                execute_result = metadata.get("execute_result") or {}
+                result.results[rank] = plain_result(execute_result)
+                result.result_data[rank] = dict(execute_result.get("data") or {})
+                result.displays[rank] = [
+                    {"data": out.get("data", {}), "metadata": out.get("metadata", {})}
+                    for out in metadata.get("outputs", [])
+                ]
             return result
 
         return self._await(handles, timeout, stream, on_output, code=code, finish=finish)
@@ -568,6 +574,8 @@ class Pool:
     def _gather_start(self, handles: dict[int, Any], what: str) -> dict[int, Any]:
         deadline = time.monotonic() + self.timeout
         while not all(h.ready() for h in handles.values()):
+            if any(h.ready() and not h.successful() for h in handles.values()):
+                break  # one failure is enough: peers may wait for it forever
             if time.monotonic() > deadline:
                 raise PoolStartError(f"timed out after {self.timeout:g}s while {what}")
             if self._any_dead():
@@ -576,6 +584,8 @@ class Pool:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         for key, handle in handles.items():
+            if not handle.ready():
+                continue
             try:
                 results[key] = handle.get(0)
             except Exception as exc:
@@ -852,6 +862,9 @@ class Pool:
                 break
             time.sleep(_POLL_S)
         pump()
+        dead = self._dead_ranks()
+        if dead:
+            self._die(dead)
         stuck_ranks = [r for r, h in handles.items() if not h.ready()]
         stuck: dict[int, str] = {}
         in_collective: list[int] = []

@@ -68,7 +68,7 @@ def session_pool(profile_dir: str) -> Iterator[Pool]:
 @pytest.fixture
 def pool(session_pool: Pool) -> Pool:
     """The shared 2-rank pool, running and healthy (restarted if a test broke it)."""
-    if not session_pool.running or session_pool.needs_restart:
+    if not session_pool.running or session_pool.needs_restart or session_pool.busy_ranks():
         session_pool.restart()
     record(session_pool)
     return session_pool

@@ -22,6 +22,19 @@ def test_run_executes_on_every_rank_in_a_persistent_namespace(pool: Pool):
     assert result.results == {0: "1", 1: "11"}
 
 
+def test_run_collects_result_bundles_and_displays(pool: Pool):
+    code = (
+        "from IPython.display import display, HTML\n"
+        "display(HTML(f'<b>rank {rank}</b>'))\n"
+        "{'rank': rank}"
+    )
+    result = pool.run(code, stream=False)
+    assert result.results == {0: "{'rank': 0}", 1: "{'rank': 1}"}
+    assert result.result_data[1]["text/plain"] == "{'rank': 1}"
+    for rank in (0, 1):
+        assert [d["data"]["text/html"] for d in result.displays[rank]] == [f"<b>rank {rank}</b>"]
+
+
 def test_run_output_is_tagged_by_rank(pool: Pool, capsys):
     result = pool.run(
         "import sys\nprint(f'hello from {rank} of {world_size}')\n"
