@@ -29,8 +29,10 @@ def _load_then_save(root: str, src: str, dst: str, kind: str) -> dict:
     ck.save(f"{root}/{dst}", model, opt, step=report.step)
     # The optimizer state came along: its full exp_avg per parameter is reported too.
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp import StateDictType
 
-    osd = FSDP.optim_state_dict(model, opt)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        osd = FSDP.optim_state_dict(model, opt)
     return {
         "values": c.full_values(model),
         "exp_avg": {k: v["exp_avg"] for k, v in osd["state"].items()},
