@@ -41,9 +41,9 @@ def test_global_norm_equals_clip_grad_norm_on_unsharded_reference(ranks2, norm_t
         assert not probe.has_nonfinite
 
 
-@pytest.mark.world4
-def test_hybrid_mesh_counts_replicas_once(ranks4):
-    results = ranks4.run(_norms_vs_reference, 2.0, (2, 2))
+def test_hybrid_mesh_counts_replicas_once(ranks2):
+    # a (replicate=2, shard=1) mesh: both ranks hold every gradient in full
+    results = ranks2.run(_norms_vs_reference, 2.0, (2, 1))
     for probe, ref_params, _, ref_total in results:
         assert probe.total == pytest.approx(ref_total, rel=RTOL)
         assert probe.params == pytest.approx(ref_params, rel=RTOL)
