@@ -10,7 +10,8 @@ half), each block one FSDP unit.  Three ways to shard the very same model are of
 * :func:`wrap_fully_shard`: ``torch.distributed.fsdp.fully_shard`` applied by hand to each
   block, then to the root.
 
-All three use FULL_SHARD semantics (parameters resharded after forward, everywhere) and
+All three use FULL_SHARD semantics (every block's parameters resharded after forward; the
+root's kept for backward, as FSDP1 does) and
 the same mixed precision when ``dtype`` is ``torch.bfloat16`` (parameters and gradient
 reduction in bf16).  These functions run on a rank inside an initialized process group.
 """
@@ -121,7 +122,9 @@ def wrap_fully_shard(model: BlockStack, dtype: torch.dtype) -> nn.Module:
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    # The root keeps its parameters between forward and backward, as FSDP1's FULL_SHARD does
+    # (and fully_shard's own default for the root).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     return model
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
+import textwrap
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -309,16 +311,29 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
 
 
 def _figure_doc(key: str) -> str:
+    """The figure module's docstring minus its title line, as Markdown."""
     import importlib
 
     try:
         module = importlib.import_module(f"bench.{key}")
     except ImportError:
         return ""
-    doc = (module.__doc__ or "").strip()
-    paragraphs = doc.split("\n\n")
-    # The first paragraph repeats the title; the rest says what is measured and how.
-    return "\n\n".join(p.replace("\n", " ") for p in paragraphs[1:])
+    paragraphs = (module.__doc__ or "").strip().split("\n\n")[1:]
+    return "\n\n".join(_paragraph_markdown(p) for p in paragraphs)
+
+
+def _paragraph_markdown(paragraph: str) -> str:
+    """Join wrapped lines; keep ``* `` bullets as Markdown list items; RST code to Markdown."""
+    items: list[str] = []
+    for line in paragraph.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("* ") or not items:
+            items.append(stripped)
+        else:
+            items[-1] += " " + stripped
+    text = "\n".join("- " + i[2:] if i.startswith("* ") else i for i in items)
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
 
 
 # ---------------------------------------------------------------------------- plot
@@ -331,26 +346,22 @@ def render_plot(figures: list[FigureResult], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [f for f in figures if f.comparisons or f.error]
-    cols = 2
-    rows = max(1, (len(shown) + cols - 1) // cols)
-    heights = [max(2.0, 0.42 * max(len(f.comparisons), 1) + 1.2) for f in shown]
-    row_heights = [
-        max(heights[i] for i in range(r * cols, min(len(shown), (r + 1) * cols)))
-        for r in range(rows)
-    ]
+    heights = [0.5 * max(len(f.comparisons), 1) + 0.9 for f in shown]
     fig, axes = plt.subplots(
-        rows,
-        cols,
-        figsize=(16, sum(row_heights)),
-        gridspec_kw={"height_ratios": row_heights},
+        len(shown) or 1,
+        1,
+        figsize=(12, sum(heights) + 0.8),
+        gridspec_kw={"height_ratios": heights or [1]},
         squeeze=False,
     )
-    for ax in axes.flat[len(shown) :]:
-        ax.set_visible(False)
     for ax, figure in zip(axes.flat, shown, strict=False):
         _plot_figure(ax, figure)
-    fig.suptitle("fsdp_interactive benchmarks: ratio (median) vs target, whiskers = min-max span")
-    fig.tight_layout()
+    fig.suptitle(
+        "fsdp_interactive benchmarks: ratio of medians (bar), target (dashed), "
+        "min-max span (whiskers); pale bars are baselines"
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.subplots_adjust(left=0.33)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -431,7 +442,12 @@ def _short_label(c: Comparison) -> str:
     ):
         subject = subject.replace(long, short)
         reference = reference.replace(long, short)
-    return f"{c.case}\n{subject} vs {reference}"
+    case = (
+        c.case.replace("meta-device init", "meta init")
+        .replace(", peak RSS increase", "")
+        .replace("params+grads+optimizer", "held")
+    )
+    return textwrap.fill(f"{case}: {subject} vs {reference}", width=52)
 
 
 # ---------------------------------------------------------------------------- files
