@@ -1,0 +1,126 @@
+"""The tutorial notebooks run top to bottom and reproduce their stored outputs (nbval).
+
+One nbval run in a subprocess covers every notebook in ``notebooks/``: each code cell is
+executed in a fresh kernel and its output compared with the output stored in the notebook,
+after the replacements in ``sanitize.cfg`` (pids, hosts, ports, paths, times).  The run's
+JUnit report must show every code cell of every notebook as passed, so a notebook that is
+not collected (or a cell that is skipped) fails this test.
+
+Every process of the run carries a marker in its environment; after the run no process
+with that marker may be alive (the notebooks stop their pools; nothing may leak).
+
+To refresh the stored outputs after a deliberate change, re-execute the notebook:
+``.venv/bin/jupyter execute --inplace notebooks/NN_name.ipynb``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+SANITIZE = Path(__file__).with_name("sanitize.cfg")
+MARKER = "FSDP_INTERACTIVE_TUTORIAL_RUN"
+CELL_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900
+
+
+def code_cell_count(notebook: Path) -> int:
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    return sum(1 for cell in cells if cell["cell_type"] == "code")
+
+
+def processes_with_marker(value: str) -> list[psutil.Process]:
+    """Live processes whose environment holds ``MARKER=value`` (only ours can match)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == value:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def end_processes(processes: list[psutil.Process]) -> None:
+    """End processes this test started (found by its marker), by pid."""
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+def passed_cells(report: Path) -> dict[str, int]:
+    """Passed test items per notebook file name, from the JUnit report."""
+    counts: dict[str, int] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        if any(child.tag in ("failure", "error", "skipped") for child in case):
+            continue
+        name = Path(case.get("file", "")).name  # xunit1 reports name the notebook file
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path):
+    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    assert notebooks, f"no notebooks in {NOTEBOOKS}"
+    report = tmp_path / "nbval.xml"
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--nbval",
+        "--nbval-current-env",
+        f"--nbval-sanitize-with={SANITIZE}",
+        f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "junit_family=xunit1",
+        f"--junitxml={report}",
+        "-q",
+        *(str(n.relative_to(ROOT)) for n in notebooks),
+    ]
+    try:
+        run = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+    finally:
+        time.sleep(1)  # let exiting engines finish their shutdown
+        leaked = processes_with_marker(marker)
+        leaked_desc = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in leaked if p.is_running()]
+        end_processes(leaked)
+    output = run.stdout[-20000:] + run.stderr[-5000:]
+    assert run.returncode == 0, f"nbval failed:\n{output}"
+    assert not leaked_desc, f"processes left running after the notebooks: {leaked_desc}"
+
+    passed = passed_cells(report)
+    expected = {n.name: code_cell_count(n) for n in notebooks}
+    missing = {name: (passed.get(name, 0), count) for name, count in expected.items()}
+    missing = {name: seen for name, seen in missing.items() if seen[0] != seen[1]}
+    assert not missing, (
+        "notebooks whose code cells did not all run and pass (passed, code cells): "
+        f"{missing}\n{output}"
+    )
