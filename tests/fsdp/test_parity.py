@@ -72,7 +72,15 @@ def train_matrix(strategy_name: str, bf16: bool, cases: list, mesh_shape=None) -
             optim.step()
             optim.zero_grad()
             losses.append(C.global_mean(loss))
-        n_units = len(FSDP.fsdp_modules(model))
+        units = FSDP.fsdp_modules(model)
+        offloaded = {
+            fsdp_param.offload_to_cpu
+            for unit in units
+            for group in unit.fsdp_module._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params
+        }
+        assert offloaded == {offload}, f"offload_to_cpu flags {offloaded}, wanted {offload}"
+        n_units = len(units)
         results.append((losses, C.full_params(model) if rank == 0 else None, n_units))
         if rank != 0:
             C.full_params(model)  # collective: every rank takes part
@@ -97,6 +105,8 @@ def _check(results: list, world: int, bf16: bool, label: str) -> None:
         print(f"{case}: max loss diff {loss_diff:.2e}, max param diff {param_diff:.2e}")
         assert loss_diff <= loss_tol, f"{case}: losses {losses} vs reference {ref.losses}"
         assert param_diff <= param_tol, f"{case}: parameters differ by {param_diff}"
+        if bf16:  # mixed precision really computed in bf16 (fp32 runs differ by ~1e-7)
+            assert loss_diff > 10 * FP32_LOSS_TOL, f"{case}: bf16 run matches fp32 exactly"
         units_by_wrap[wrap] = n_units
     # 2 blocks -> 3 units; size policy wraps blocks' large linears; no policy -> root only.
     assert units_by_wrap["class"] == 3
