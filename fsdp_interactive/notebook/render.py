@@ -105,7 +105,12 @@ def _norm_rows(norms: GradNorms, by: str) -> tuple[list[tuple[str, str, str]], s
     return rows, marks
 
 
+_NO_GRADS = "no gradients yet: run a backward pass on the ranks first"
+
+
 def grad_norms_text(norms: GradNorms, by: str = "params") -> str:
+    if not norms.params:
+        return _NO_GRADS
     rows, _ = _norm_rows(norms, by)
     head = f"global L{norms.norm_type:g} gradient norm: {number(norms.total, 8)}"
     if norms.has_nonfinite:
@@ -114,6 +119,8 @@ def grad_norms_text(norms: GradNorms, by: str = "params") -> str:
 
 
 def grad_norms_html(norms: GradNorms, by: str = "params") -> str:
+    if not norms.params:
+        return f"<i>{_NO_GRADS}</i>"
     rows, marks = _norm_rows(norms, by)
     head = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total, 8)}</b>"
     if norms.has_nonfinite:

@@ -1,0 +1,70 @@
+"""Renderers and figures from plain records (no ranks needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fsdp_interactive.inspect import GradNormRecord, GradNorms, TensorStats, find_spikes
+from fsdp_interactive.notebook._format import figure_png, human_bytes, text_table
+from fsdp_interactive.notebook.grad_norm_view import GradNormView
+from fsdp_interactive.notebook.plots import grad_norm_history_figure, histogram_figure
+from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text, history_text
+
+
+def test_find_spikes_marks_jumps_over_the_recent_median():
+    values = [1.0, 1.1, 0.9, 1.0, 5.0, 1.0, float("nan"), 1.0, 4.0]
+    assert find_spikes(values, factor=3.0) == [4, 8]
+    assert find_spikes([], factor=3.0) == []
+    with pytest.raises(ValueError, match="factor"):
+        find_spikes(values, factor=0)
+
+
+def test_nonfinite_gradients_are_flagged_in_text_and_html():
+    norms = GradNorms(
+        2.0,
+        math.nan,
+        {"a.weight": math.nan, "a.bias": 0.5},
+        {"": math.nan, "a": math.nan},
+        nan_counts={"a.weight": 3},
+    )
+    text = grad_norms_text(norms)
+    assert "NON-FINITE gradients in: a.weight" in text and "NaN x3" in text
+    assert 'style="background:#fdd"' in grad_norms_html(norms)
+    assert figure_png(GradNormView(norms).figure())[:4] == b"\x89PNG"
+
+
+def test_empty_states_say_what_to_do():
+    assert "run a backward pass" in grad_norms_text(GradNorms(2.0, 0.0, {}, {}))
+    assert history_text([]) == "no gradient norms recorded yet"
+    assert figure_png(grad_norm_history_figure([]))[:4] == b"\x89PNG"
+
+
+def test_history_text_lists_nonfinite_steps_and_spikes():
+    records = [GradNormRecord(i, 1.0, {}, 0, 0) for i in range(5)]
+    records += [GradNormRecord(5, 9.0, {}, 0, 0), GradNormRecord(6, math.inf, {}, 0, 2)]
+    text = history_text(records)
+    assert "NaN/Inf at steps: [6]" in text and "spikes at steps: [5]" in text
+
+
+def test_histogram_and_helpers():
+    stats = TensorStats(
+        "w",
+        ("w",),
+        (2, 2),
+        "float32",
+        4,
+        0.5,
+        0.1,
+        0.0,
+        1.0,
+        1.2,
+        0,
+        0,
+        (1, 2, 1),
+        (0.0, 0.33, 0.66, 1.0),
+    )
+    assert figure_png(histogram_figure(stats))[:4] == b"\x89PNG"
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(None) == "-"
+    assert text_table(("a", "bb"), [(1, 2)]).splitlines() == ["a  bb", "-  --", "1  2"]
