@@ -269,9 +269,14 @@ def apply_optimizer_state(
             for g in state.get("param_groups", [])
         ],
     }
+    # strict=False: parameters without optimizer state yet are legitimate (torch's
+    # optimizers create state lazily); parameter groups are checked by the callers.
     with raw_state_dict():
         set_optimizer_state_dict(
-            model, optimizer, raw_state, options=StateDictOptions(full_state_dict=full)
+            model,
+            optimizer,
+            raw_state,
+            options=StateDictOptions(full_state_dict=full, strict=False),
         )
 
 

@@ -160,3 +160,25 @@ def test_plain_module_round_trip_in_one_process(tmp_path):
         opt.state_dict()["state"][0]["momentum_buffer"],
         fresh_opt.state_dict()["state"][0]["momentum_buffer"],
     )
+
+
+def test_optimizer_without_state_or_with_partial_state_round_trips(tmp_path):
+    model = c.plain_model(0)
+    fresh_opt = torch.optim.Adam(model.parameters(), lr=0.3)
+    ck.save(tmp_path / "fresh", model, fresh_opt)
+    assert not fresh_opt.state  # saving did not initialise the optimizer
+    other = c.plain_model(1)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    ck.load(tmp_path / "fresh", other, other_opt)
+    assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.3
+
+    model(torch.randn(4, 6)).sum().backward()
+    model.inp.bias.grad = None  # no state yet for this parameter
+    fresh_opt.step()
+    ck.save(tmp_path / "partial", model, fresh_opt)
+    ck.load(tmp_path / "partial", other, other_opt)
+    assert other.inp.bias not in other_opt.state
+    assert torch.equal(
+        other_opt.state[other.inp.weight]["exp_avg"], fresh_opt.state[model.inp.weight]["exp_avg"]
+    )
+    assert len(other_opt.state) == len(fresh_opt.state) == 7  # 8 parameters, one without state
