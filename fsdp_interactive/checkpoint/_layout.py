@@ -21,6 +21,7 @@ from fsdp_interactive.checkpoint._manifest import CheckpointRecord, read_manifes
 from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
 
 _PARTIAL_MARK = ".partial-"
+_REPLACED_MARK = ".replaced-"
 
 
 def new_token() -> str:
@@ -80,7 +81,7 @@ def publish(partial: Path, final: Path) -> None:
     """Rename the finished ``partial`` folder to ``final`` (replacing an old checkpoint)."""
     trash = None
     if final.exists():
-        trash = final.parent / f".{final.name}.replaced-{new_token()}"
+        trash = final.parent / f".{final.name}{_REPLACED_MARK}{new_token()}"
         os.rename(final, trash)
     try:
         os.rename(partial, final)
@@ -99,9 +100,15 @@ def remove_stale_partials(root: Path, keep: set[Path] | None = None) -> list[Pat
     if not root.is_dir():
         return removed
     for child in root.iterdir():
-        if child.is_dir() and (is_partial(child) or ".replaced-" in child.name):
-            if keep and child in keep:
+        if not child.is_dir() or (keep and child in keep):
+            continue
+        if child.name.startswith(".") and _REPLACED_MARK in child.name:
+            # A crash between the two renames of an overwrite: put the old one back.
+            original = root / child.name[1:].split(_REPLACED_MARK)[0]
+            if not original.exists():
+                os.rename(child, original)
                 continue
+        if is_partial(child) or (child.name.startswith(".") and _REPLACED_MARK in child.name):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed

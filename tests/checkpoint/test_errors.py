@@ -196,3 +196,13 @@ def test_no_write_permission(tmp_path):
     with pytest.raises(ck.CheckpointPathError, match=r"not writable|no permission"):
         ck.save(locked / "ckpt", torch.nn.Linear(2, 2))
     assert sorted(p.name for p in locked.iterdir()) == before
+
+
+def test_overwrite_interrupted_between_renames_restores_the_old_checkpoint(saved):
+    # The state an overwrite leaves if it dies after moving the old folder aside.
+    aside = saved.parent / f".{saved.name}.replaced-0123456789ab"
+    os.rename(saved, aside)
+    assert ck.list_checkpoints(saved.parent) == []
+    ck.save(saved.parent / "next", c.plain_model(3), step=6)
+    assert [r.step for r in ck.list_checkpoints(saved.parent)] == [5, 6]
+    assert ck.load(saved, c.plain_model(4), strict=False).step == 5
