@@ -41,6 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE,
+    ActivationWrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.api import (
@@ -76,8 +80,9 @@ _PREFIX = FSDP_WRAPPED_MODULE + "."
 
 
 def clean_name(name: str) -> str:
-    """``name`` without any ``_fsdp_wrapped_module.`` component (the unwrapped model's name)."""
-    return name.replace(_PREFIX, "")
+    """``name`` without ``_fsdp_wrapped_module.`` or ``_checkpoint_wrapped_module.`` components
+    (the unwrapped model's name; FSDP1's ``clean_tensor_name`` drops the same two)."""
+    return name.replace(_PREFIX, "").replace(_CHECKPOINT_WRAPPED_MODULE + ".", "")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -210,6 +215,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def _setup_unit(self, module: nn.Module, config: UnitConfig, ignored: IgnoredStates) -> None:
         self._fsdp_wrapped_module = module
+        # Not registered as a child: the same module under a second name. The wrapped module
+        # may later be wrapped itself (activation checkpointing); this stays the FSDPModule.
+        self.__dict__["_fsdp_sharded_module"] = module
         self._fsdp_config = config
         self._fsdp_ignored = ignored
         self._fsdp_has_parent = False
@@ -259,8 +267,11 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module (inside an activation-checkpoint wrapper, the module it wraps)."""
+        inner = self._fsdp_wrapped_module
+        if isinstance(inner, ActivationWrapper):
+            return getattr(inner, _CHECKPOINT_WRAPPED_MODULE)
+        return inner
 
     def __getattr__(self, name: str) -> Any:
         """Fall through to the wrapped module for attributes the unit does not have."""
@@ -356,7 +367,7 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def fsdp_module(self) -> FSDPModule:
         """The wrapped module as ``fully_shard`` left it (an ``FSDPModule``)."""
-        return self._fsdp_wrapped_module  # type: ignore[return-value]
+        return self.__dict__["_fsdp_sharded_module"]
 
     def owned_modules(self) -> list[nn.Module]:
         """Modules whose own parameters this unit shards (nested units and ignored excluded)."""
@@ -424,7 +435,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._fsdp_forward_depth -= 1
         order: list[FullyShardedDataParallel] = []
         handles = [
-            unit._fsdp_wrapped_module.register_forward_pre_hook(
+            unit.fsdp_module.register_forward_pre_hook(
                 lambda _m, _a, unit=unit: order.append(unit) if unit not in order else None
             )
             for unit in units(self)

@@ -602,3 +602,32 @@ def test_prefetch_arguments_change_the_collective_order(ranks2):
     assert s["backward_pre"][:first_rs].count("AG") == 2
     first_rs = s["backward_none"].index("RS")
     assert s["backward_none"][:first_rs].count("AG") == 1
+
+
+def activation_checkpointing_composes() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, C.Block))
+    block = model.blocks[0]
+    assert isinstance(block.module, C.Block) and block.module is block.fsdp_module
+    plain_names = [n for n, _ in C.make_model(0).named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == plain_names
+    optim = C.make_optimizer(model.parameters())
+    for step in range(2):
+        C.lm_loss(model, C.local_part(C.batches(step, world), rank, world)).backward()
+        optim.step()
+        optim.zero_grad()
+    assert sorted(get_optimizer_state_dict(model, optim)["state"]) == sorted(plain_names)
+    assert C.max_param_diff(C.full_params(model), C.train_reference(2, world).params) <= 1e-5
+
+
+def test_activation_checkpointing_composes(ranks2):
+    ranks2.run(activation_checkpointing_composes)
