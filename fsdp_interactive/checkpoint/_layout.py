@@ -4,7 +4,9 @@ A checkpoint ``<root>/<name>`` is written as ``<root>/.<name>.partial-<token>`` 
 renamed to ``<root>/<name>`` (one ``os.rename``, atomic on POSIX file systems) only
 after every rank's data, the DCP metadata and the manifest are on disk. Listing ignores
 dot-names, so a save that crashed mid-way is never listed; the next save into the same
-root removes such leftovers. One writer per root folder is assumed.
+root removes such leftovers. Overwriting moves the old folder aside first
+(``.<name>.replaced-<token>``); if a crash lands between the two renames, the next save
+into the root puts the old folder back. One writer per root folder is assumed.
 
 Nothing here talks to other ranks; callers decide which rank runs what.
 """
