@@ -452,6 +452,8 @@ class Pool:
         kwargs.setdefault("log_level", logging.ERROR)
         # The pool stops its cluster at exit itself (engines first, on its own loop).
         kwargs.setdefault("shutdown_atexit", False)
+        # Results are never fetched again from the controller: do not keep them there.
+        kwargs.setdefault("controller_args", ["--nodb"])
         kwargs.setdefault("engine_timeout", int(self.timeout))
 
         async def launch() -> None:
@@ -705,7 +707,12 @@ class Pool:
                 if printer is not None:
                     printer.flush()
             results = self._collect(handles)
-            return finish(results) if finish is not None else results
+            value = finish(results) if finish is not None else results
+            # Results are handed over once: drop the client's cached copies (tensors
+            # pulled every step would otherwise accumulate in the kernel).
+            with contextlib.suppress(Exception):
+                self._client.purge_local_results(jobs=list(handles.values()))
+            return value
 
         return wait(timeout)
 

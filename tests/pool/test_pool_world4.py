@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import psutil
 import pytest
@@ -50,14 +51,20 @@ def test_four_ranks_from_start_to_crash_to_stop(profile_dir, capsys):
         survivors = {
             r.pid: psutil.Process(r.pid).create_time() for r in pool.topology if r.rank != 2
         }
+        started = time.monotonic()
         with pytest.raises(RankDied) as died:
             pool.run("import ctypes\nif rank == 2:\n    ctypes.string_at(0)\ndist.barrier()")
+        latency = time.monotonic() - started
         err = died.value
         assert err.ranks == [2]
         assert err.exit_codes[2] == -signal.SIGSEGV
         assert "Segmentation fault" in err.log_tails[2]
         assert wait_gone(survivors) == []
         assert pool.state == "broken"
+        with capsys.disabled():
+            print(
+                f"\n[measured] segfault -> RankDied latency (from submitting the cell): {latency:.2f}s"
+            )
     finally:
         record(pool)
         pool.stop()
