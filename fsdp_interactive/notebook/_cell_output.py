@@ -8,11 +8,8 @@ every rank.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,93 +35,20 @@ class RankOutput:
         )
 
 
-class _RetainingMetadata(defaultdict):
-    """ipyparallel's per-request metadata dict that keeps what the client drops.
+def outputs_of(sink: StreamSink, result: Any | None, ranks: list[int]) -> dict[int, RankOutput]:
+    """Per-rank outputs of a cell: text from the sink, rich output from the ``RunResult``.
 
-    ipyparallel pops a request's metadata (stdout, stderr, display outputs, result) from
-    ``client.metadata`` as soon as that request's output is complete; a later lookup by
-    msg_id then finds a fresh, empty record.  While installed, popped records stay
-    readable under their msg_id, so output read after completion is still there.
-    """
-
-    def __init__(self, default_factory: Any, retained: dict[str, Any]):
-        super().__init__(default_factory)
-        self.retained = retained
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        if key in self:
-            self.retained[key] = super().__getitem__(key)
-        return super().pop(key, *default)
-
-    def __missing__(self, key: Any) -> Any:
-        if key in self.retained:
-            return self.retained[key]
-        return super().__missing__(key)
-
-
-@contextlib.contextmanager
-def retained_metadata(pool: Any) -> Iterator[None]:
-    """Keep every request's output readable for the duration of one cell.
-
-    The pool reads a run's output from the ipyparallel client's metadata by msg_id, which
-    races with the client dropping it once complete; this keeps the records for the cell
-    and restores the client's own dict afterwards (records of finished requests dropped,
-    as the client intends).
-    """
-    client = getattr(pool, "_client", None)
-    if client is None:
-        yield
-        return
-    original = client.metadata
-    keeper = _RetainingMetadata(original.default_factory, {})
-    keeper.update(original)
-    client.metadata = keeper
-    try:
-        yield
-    finally:
-        original.clear()
-        original.update(dict(keeper))
-        client.metadata = original
-
-
-def message_count(pool: Any) -> int:
-    """How many requests the pool's client has sent so far (marks the start of a run)."""
-    client = getattr(pool, "_client", None)
-    return len(client.history) if client is not None else 0
-
-
-def collect_outputs(
-    pool: Any, since: int, ranks: list[int], output_wait: float = 5.0
-) -> dict[int, RankOutput]:
-    """Outputs of the requests sent after ``since``, by rank (inside ``retained_metadata``).
-
-    The pool's ``RunResult`` carries text output only, so rich outputs (display_data,
-    execute_result bundles) are read from the ipyparallel client's per-request metadata.
-    Returns what it could read; empty entries when the client is not reachable.
+    On failure there is no ``RunResult`` (``result=None``): the text the ranks printed
+    before failing is still there, rich displays are not.
     """
     outputs = {rank: RankOutput(rank) for rank in ranks}
-    client = getattr(pool, "_client", None)
-    if client is None:
-        return outputs
-    rank_of_engine = {r.engine_id: r.rank for r in pool.topology}
-    msg_ids = list(client.history)[since:]
-    keeper = client.metadata
-    if isinstance(keeper, _RetainingMetadata):
-        # a record is dropped (and so retained) once its output is complete
-        deadline = time.monotonic() + output_wait
-        while time.monotonic() < deadline and not all(m in keeper.retained for m in msg_ids):
-            time.sleep(0.02)
-    for msg_id in msg_ids:
-        metadata = client.metadata[msg_id]
-        rank = rank_of_engine.get(metadata.get("engine_id"))
-        if rank not in outputs:
-            continue
-        out = outputs[rank]
-        out.stdout += metadata.get("stdout") or ""
-        out.stderr += metadata.get("stderr") or ""
-        out.displays.extend(metadata.get("outputs") or [])
-        if metadata.get("execute_result"):
-            out.result = metadata["execute_result"]
+    for rank, out in outputs.items():
+        out.stdout = sink.text(rank, "stdout")
+        out.stderr = sink.text(rank, "stderr")
+        if result is not None:
+            out.displays = list(result.displays.get(rank, []))
+            data = result.result_data.get(rank) or {}
+            out.result = {"data": data, "metadata": {}} if data else None
     return outputs
 
 
@@ -234,20 +158,26 @@ def show_outputs(
 
 
 class StreamSink:
-    """``on_output`` for ``Pool.run``: prints what the chosen display shows, as it arrives.
+    """``on_output`` for ``Pool.run``: keeps every rank's text and, when live, prints it.
 
-    Default: the lowest targeted rank's stdout untagged, every rank's stderr tagged.  With a
-    grouping: every rank's lines tagged ``[rank N]``.
+    Live printing shows what the chosen display shows, as it arrives: by default the
+    lowest targeted rank's stdout untagged and every rank's stderr tagged; with a grouping,
+    every rank's lines tagged ``[rank N]``.  ``text(rank, name)`` is everything received.
     """
 
-    def __init__(self, first_rank: int, all_ranks: bool):
+    def __init__(self, first_rank: int, all_ranks: bool, live: bool = True):
         from fsdp_interactive.pool import TaggedPrinter
 
         self.first_rank = first_rank
         self.all_ranks = all_ranks
+        self.live = live
+        self._received: dict[tuple[int, str], list[str]] = {}
         self._tagged = TaggedPrinter()
 
     def __call__(self, rank: int, name: str, text: str) -> None:
+        self._received.setdefault((rank, name), []).append(text)
+        if not self.live:
+            return
         if name == "stdout" and not self.all_ranks:
             if rank == self.first_rank:
                 sys.stdout.write(text)
@@ -255,6 +185,10 @@ class StreamSink:
             return
         self._tagged(rank, name, text)
 
+    def text(self, rank: int, name: str) -> str:
+        return "".join(self._received.get((rank, name), []))
+
     def flush(self) -> None:
-        self._tagged.flush()
-        sys.stdout.flush()
+        if self.live:
+            self._tagged.flush()
+            sys.stdout.flush()

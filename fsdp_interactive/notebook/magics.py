@@ -21,9 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from fsdp_interactive.notebook._cell_output import (
     GROUPINGS,
     StreamSink,
-    collect_outputs,
-    message_count,
-    retained_metadata,
+    outputs_of,
     show_outputs,
 )
 
@@ -76,9 +74,9 @@ def _rank_error_class() -> type:
 
 
 def _pool_failures() -> tuple[type[BaseException], ...]:
-    from fsdp_interactive.pool import RankDied, RankError, RankInterrupted, RankTimeout
+    from fsdp_interactive.pool import PoolError, RankDied, RankError, RankInterrupted, RankTimeout
 
-    return (RankError, RankTimeout, RankDied, RankInterrupted)
+    return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
 
 
 def _shown_as_message(error: BaseException) -> BaseException:
@@ -331,45 +329,24 @@ class FsdpMagics(Magics):
                 file=sys.stderr,
             )
         stream = args.stream if args.stream is not None else _stream_default()
-        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None) if stream else None
-        with retained_metadata(pool):
-            try:
-                result = self._run_cell(pool, cell, targets, ranks, args, stream, sink)
-            except _pool_failures() as error:
-                raise _shown_as_message(error) from None
+        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None, live=stream)
+        try:
+            result = pool.run(cell, targets=targets, timeout=args.timeout, on_output=sink)
+        except TimeoutError as error:
+            sink.flush()
+            if args.out:
+                self.shell.user_ns[args.out] = error
+            raise _shown_as_message(error) from None
+        except _pool_failures() as error:
+            sink.flush()
+            show_outputs(outputs_of(sink, None, ranks), args.group_outputs, streamed=stream)
+            raise _shown_as_message(error) from None
+        sink.flush()
+        show_outputs(outputs_of(sink, result, ranks), args.group_outputs, streamed=stream)
         if args.out:
             self.shell.user_ns[args.out] = result
         if args.local:
             self.shell.ex(self.shell.transform_cell(cell))
-
-    def _run_cell(
-        self,
-        pool: Any,
-        cell: str,
-        targets: Any,
-        ranks: list[int],
-        args: Any,
-        stream: bool,
-        sink: StreamSink | None,
-    ) -> Any:
-        since = message_count(pool)
-        try:
-            result = pool.run(
-                cell, targets=targets, timeout=args.timeout, stream=stream, on_output=sink
-            )
-        except TimeoutError as error:
-            if args.out:
-                self.shell.user_ns[args.out] = error
-            raise
-        except _rank_error_class():
-            if sink is not None:
-                sink.flush()
-            show_outputs(collect_outputs(pool, since, ranks), args.group_outputs, streamed=stream)
-            raise
-        if sink is not None:
-            sink.flush()
-        show_outputs(collect_outputs(pool, since, ranks), args.group_outputs, streamed=stream)
-        return result
 
     def _parse_cell(self, line: str) -> Any:
         try:

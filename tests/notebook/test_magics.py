@@ -76,10 +76,11 @@ def test_rich_output_and_last_value_from_rank0_are_shown(pool_shell, pool):
     assert data[1]["text/plain"] == "40"
 
 
-def test_failing_rank_fails_the_cell(pool_shell, pool):
+def test_failing_rank_fails_the_cell(pool_shell, pool, capsys):
     result = pool_shell.run_cell(
-        "%%fsdp --no-stream\nif rank == 1:\n    raise ValueError('bad rank')"
+        "%%fsdp --no-stream\nprint('before', rank)\nif rank == 1:\n    raise ValueError('bad rank')"
     )
+    assert "before 0" in capsys.readouterr().out  # what ran before the failure is shown
     assert not result.success
     error = result.error_in_exec
     assert isinstance(error, RankError) and error.ranks == [1]
