@@ -26,7 +26,7 @@ lint: setup
 
 # pytest's exit code 5 (nothing collected) is reported as a failure: this suite always has tests.
 test: setup lint
-	$(PY) -m pytest tests $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Benchmarks against torchrun, raw ipyparallel, torch FSDP1 and fully_shard: rewrites
