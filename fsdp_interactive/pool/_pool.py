@@ -216,12 +216,17 @@ class Pool:
         """A pool over the engines of an already running ipyparallel cluster.
 
         The cluster is found as ``ipyparallel.Client`` finds it (a client connection
-        file, or profile / profile_dir / cluster_id). ``n`` defaults to all registered
-        engines. The pool does not own these engines: ``stop()`` leaves the process
+        file, or profile / profile_dir / cluster_id). ``n`` defaults to the engines
+        registered when the pool starts (at least one is waited for). The pool does not own these engines: ``stop()`` leaves the process
         group and disconnects, but does not end the engines; ``restart()`` re-creates
         the group on the same engines.
         """
         pool = cls(n=n, devices=devices, backend=backend, timeout=timeout, **kwargs)
+        if pool._cluster_kwargs:
+            raise TypeError(
+                "Pool.connect() got options for starting a cluster, which it does not do: "
+                + ", ".join(sorted(pool._cluster_kwargs))
+            )
         pool._connect_kwargs = {
             key: value
             for key, value in (
@@ -410,8 +415,10 @@ class Pool:
         devices = self._devices_requested
         backend = self._backend_requested
         n = self._n_requested
+        # Connecting to a running cluster with no n: take every engine that registered.
+        default_cpu_n = None if self._connect_kwargs is not None else 2
         if devices == "cpu" or (devices is None and backend == "gloo"):
-            return {"n": n or 2, "devices": None, "backend": "gloo"}
+            return {"n": n or default_cpu_n, "devices": None, "backend": "gloo"}
         visible = visible_cuda_device_count() if self.engines == "local" else None
         if isinstance(devices, list):
             if visible is not None:
@@ -436,17 +443,21 @@ class Pool:
             return {"n": count, "devices": "local_rank", "backend": "nccl"}
         if backend == "nccl":
             raise ValueError("backend='nccl' needs CUDA devices, but none are visible")
-        return {"n": n or 2, "devices": None, "backend": "gloo"}
+        return {"n": n or default_cpu_n, "devices": None, "backend": "gloo"}
 
-    def _launch_or_connect(self, n: int) -> int:
+    def _launch_or_connect(self, n: int | None) -> int:
         import ipyparallel as ipp
 
         assert self._loop is not None
         deadline = time.monotonic() + self.timeout
         if self._connect_kwargs is not None:
-            self._client = ipp.Client(**self._connect_kwargs)
-            self._wait_for_engines(n, deadline)
-            return n
+            try:
+                self._client = ipp.Client(**self._connect_kwargs)
+            except Exception as exc:
+                raise PoolStartError(f"could not connect to the cluster: {exc}") from exc
+            self._wait_for_engines(n or 1, deadline)
+            return n or len(self._client.ids)
+        assert n is not None
 
         kwargs = dict(self._cluster_kwargs)
         kwargs.setdefault("log_level", logging.ERROR)

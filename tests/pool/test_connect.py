@@ -6,6 +6,7 @@ import logging
 
 import ipyparallel as ipp
 import psutil
+import pytest
 
 from fsdp_interactive.pool import Pool
 from tests.pool.conftest import alive, record, wait_gone
@@ -15,12 +16,18 @@ def test_connect_to_a_running_cluster(profile_dir):
     cluster = ipp.Cluster(n=2, profile_dir=profile_dir, log_level=logging.ERROR)
     cluster.start_cluster_sync()
     try:
+        client = cluster.connect_client_sync()
+        client.wait_for_engines(2, timeout=120)
+        client.close()
         engine_pids = {
             launcher.pid: psutil.Process(launcher.pid).create_time()
             for engine_set in cluster.engines.values()
             for launcher in engine_set.launchers.values()
         }
-        pool = Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id, n=2)
+        with pytest.raises(TypeError, match="does not do: controller_ip"):
+            Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id, controller_ip="*")
+        # n defaults to every registered engine
+        pool = Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id)
         assert not pool.owns_engines
         pool.start()
         record(pool)
