@@ -20,7 +20,8 @@ class View:
 
     Displaying a view gives a bundle with ``text/plain`` and ``text/html`` always, plus the
     widget's view inside a live kernel; so nbval and nbconvert see plain text and HTML, and
-    JupyterLab shows the interactive widget.
+    JupyterLab shows the interactive widget.  Outside a kernel the HTML embeds the figures
+    as PNG; inside one it holds the tables only (the widget has the pictures).
     """
 
     _widget: Any = None
@@ -28,7 +29,8 @@ class View:
     def text(self) -> str:
         raise NotImplementedError
 
-    def html(self) -> str:
+    def html(self, figures: bool = True) -> str:
+        """HTML of the view; ``figures=False`` leaves the (PNG) pictures out."""
         raise NotImplementedError
 
     def _build_widget(self) -> Any:
@@ -49,8 +51,11 @@ class View:
             self._update_widget()
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        bundle: dict[str, Any] = {"text/plain": self.text(), "text/html": self.html()}
-        if live_kernel():
+        live = live_kernel()
+        # In a live kernel the widget shows the pictures; the HTML fallback stays
+        # text-only there so that saved notebooks compare stably (nbval compares HTML).
+        bundle: dict[str, Any] = {"text/plain": self.text(), "text/html": self.html(not live)}
+        if live:
             widget_bundle = self.widget._repr_mimebundle_() or {}
             for key, value in widget_bundle.items():
                 if key != "text/plain":

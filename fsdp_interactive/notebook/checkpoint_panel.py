@@ -189,7 +189,7 @@ class CheckpointPanel(View):
         table = text_table(_HEADERS, self._rows()) if self.records else "(none yet)"
         return "\n".join(filter(None, [head, table, self.status]))
 
-    def html(self) -> str:
+    def html(self, figures: bool = True) -> str:
         return (
             f"<b>checkpoints in {self.root}: {len(self.records)}</b>"
             + html_table(_HEADERS, self._rows())

@@ -77,15 +77,15 @@ class Dashboard(View):
         sections += [f"== {name.lower()} ==\n{part.text()}" for name, part in self._parts()]
         return "\n\n".join(sections)
 
-    def html(self) -> str:
+    def html(self, figures: bool = True) -> str:
         sections = [
             "<h4>ranks</h4>" + topology_html(self.source.topology()),
             "<h4>memory</h4>"
             + memory_html(self.memory)
-            + figure_html(memory_figure(self.memory), "memory per rank"),
+            + (figure_html(memory_figure(self.memory), "memory per rank") if figures else ""),
         ]
         sections += [
-            f"<h4>{html_lib.escape(name)}</h4>{part.html()}" for name, part in self._parts()
+            f"<h4>{html_lib.escape(name)}</h4>{part.html(figures)}" for name, part in self._parts()
         ]
         return "".join(sections)
 

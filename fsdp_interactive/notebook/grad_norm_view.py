@@ -53,8 +53,9 @@ class GradNormView(View):
     def text(self) -> str:
         return grad_norms_text(self.data, self.by)
 
-    def html(self) -> str:
-        return grad_norms_html(self.data, self.by) + figure_html(self.figure(), "gradient norms")
+    def html(self, figures: bool = True) -> str:
+        picture = figure_html(self.figure(), "gradient norms") if figures else ""
+        return grad_norms_html(self.data, self.by) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w

@@ -36,8 +36,9 @@ class LayoutView(View):
     def text(self) -> str:
         return layout_text(self.data)
 
-    def html(self) -> str:
-        return layout_html(self.data) + figure_html(self.figure(), "shard layout")
+    def html(self, figures: bool = True) -> str:
+        picture = figure_html(self.figure(), "shard layout") if figures else ""
+        return layout_html(self.data) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w

@@ -139,9 +139,10 @@ class GradNormMonitor(View):
     def text(self) -> str:
         return history_text(self.records)
 
-    def html(self) -> str:
+    def html(self, figures: bool = True) -> str:
         summary = history_text(self.records).split("\n")[:3]
-        return "<br/>".join(summary) + figure_html(self.figure(), "gradient norm history")
+        picture = figure_html(self.figure(), "gradient norm history") if figures else ""
+        return "<br/>".join(summary) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w

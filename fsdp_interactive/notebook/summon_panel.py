@@ -99,8 +99,9 @@ class SummonPanel(View):
     def text(self) -> str:
         return stats_text(self.data) + (f"\n{self.message}" if self.message else "")
 
-    def html(self) -> str:
-        return stats_html(self.data) + figure_html(self.figure(), f"histogram of {self.fqn}")
+    def html(self, figures: bool = True) -> str:
+        picture = figure_html(self.figure(), f"histogram of {self.fqn}") if figures else ""
+        return stats_html(self.data) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w

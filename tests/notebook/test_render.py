@@ -68,3 +68,13 @@ def test_histogram_and_helpers():
     assert figure_png(histogram_figure(stats))[:4] == b"\x89PNG"
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(None) == "-"
     assert text_table(("a", "bb"), [(1, 2)]).splitlines() == ["a  bb", "-  --", "1  2"]
+
+
+def test_display_bundle_in_and_outside_a_kernel(monkeypatch):
+    view = GradNormView(GradNorms(2.0, 1.0, {"a": 1.0}, {"": 1.0, "a": 1.0}))
+    outside = view._repr_mimebundle_()
+    assert set(outside) == {"text/plain", "text/html"} and "<img" in outside["text/html"]
+    monkeypatch.setattr("fsdp_interactive.notebook._view.live_kernel", lambda: True)
+    inside = view._repr_mimebundle_()
+    assert inside["application/vnd.jupyter.widget-view+json"]["model_id"] == view.widget.model_id
+    assert "<img" not in inside["text/html"] and "global L2 gradient norm" in inside["text/plain"]
