@@ -8,12 +8,14 @@ same sum for the unsharded model with a plain AdamW.  Target: ``<= full/N + 1%``
 torch FSDP1 and hand-applied fully_shard are shown with the same yardstick.
 
 Part 2, meta-device init.  A model as large as ``N`` ranks' shares is built on the meta
-device and materialized by each contender on ``N`` ranks; the increase of each rank's peak
-RSS (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` just before; the lifetime
-``ru_maxrss`` where that is unsupported) over the RSS just before is compared with the full model's parameter
-bytes.  Each contender gets fresh processes (a process's peak cannot be reset).  The
-reference "materialize, then shard" builds the model on the CPU first, as code without
-meta init does.  Below 1x means the full model never existed on a rank.
+device and materialized by each contender on ``N`` ranks, in fresh processes per
+contender.  The increase of each rank's peak RSS over its RSS just before (Linux
+``VmHWM``, reset through ``/proc/self/clear_refs``; the lifetime ``ru_maxrss`` where that
+is unsupported) is compared with the full model's parameter bytes; below 1x, no rank's
+peak reached the full model's size.  The RSS still held once glibc's ``malloc_trim`` has
+returned freed heap memory is recorded too: the gap between the two is memory the
+allocator kept, not memory the model holds.  The reference "materialize, then shard"
+builds the model on the CPU first, as code without meta init does.
 """
 
 from __future__ import annotations
@@ -141,7 +143,29 @@ def _rank_meta_init(contender: str, size: ModelSize) -> dict[str, int]:
     meta_left = [n for n, p in model.named_parameters() if p.is_meta]
     if meta_left:
         raise RuntimeError(f"{contender}: parameters still on meta after init: {meta_left}")
-    return {"peak_increase": max(0, peak - before)}
+    gc.collect()
+    trimmed = _malloc_trim()
+    return {
+        "peak_increase": max(0, peak - before),
+        "live_increase": max(0, _rss_bytes() - before) if trimmed else None,
+    }
+
+
+def _malloc_trim() -> bool:
+    """Hand freed heap memory back to the OS (glibc only); False where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = libc.malloc_trim if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _rank_memory(
@@ -183,6 +207,7 @@ def run(settings: Settings) -> FigureResult:
     jobs += [(world, None, True) for world in worlds if world != meta_world]
     held_by_world: dict[int, list[dict[str, Any]]] = {}
     meta_samples: dict[str, list[float]] = {name: [] for name in meta_contenders}
+    live_samples: dict[str, list[float]] = {name: [] for name in meta_contenders}
     for world, meta_name, with_held in jobs:
         per_rank = run_on_ranks(
             world,
@@ -192,6 +217,9 @@ def run(settings: Settings) -> FigureResult:
         )
         if meta_name:
             meta_samples[meta_name].append(float(max(r["meta"]["peak_increase"] for r in per_rank)))
+            live = [r["meta"]["live_increase"] for r in per_rank]
+            if None not in live:
+                live_samples[meta_name].append(float(max(1, *live)))
         if with_held:
             held_by_world[world] = [r["held"] for r in per_rank]
 
@@ -245,6 +273,10 @@ def run(settings: Settings) -> FigureResult:
         if meta_samples.get(name):
             stat = Stat(meta_samples[name], "B")
             result.measurements[f"meta init peak RSS increase: {LABELS[name]}"] = stat
+            if live_samples[name]:
+                result.measurements[f"meta init RSS kept after malloc_trim: {LABELS[name]}"] = Stat(
+                    live_samples[name], "B"
+                )
         result.comparisons.append(
             Comparison(
                 figure=result.key,
