@@ -15,6 +15,13 @@ def live_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+def png_image() -> Any:
+    """An ipywidgets Image for PNG figures, shown at its own size (not stretched)."""
+    import ipywidgets as w
+
+    return w.Image(format="png", layout=w.Layout(align_self="flex-start"))
+
+
 class View:
     """Base of the views: ``text()``, ``html()`` and ``widget`` show the same data.
 

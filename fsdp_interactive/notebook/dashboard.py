@@ -8,7 +8,7 @@ from typing import Any
 from fsdp_interactive.inspect._records import MemoryStats
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._remote import RankModel
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.grad_norm_view import GradNormView
 from fsdp_interactive.notebook.layout_view import LayoutView
 from fsdp_interactive.notebook.monitor import GradNormMonitor
@@ -93,7 +93,7 @@ class Dashboard(View):
         import ipywidgets as w
 
         self._ranks = w.HTML()
-        self._memory_image = w.Image(format="png")
+        self._memory_image = png_image()
         self._refresh_button = w.Button(description="Refresh all", icon="refresh")
         self._refresh_button.on_click(lambda _: self.refresh())
         overview = w.VBox([self._ranks, self._memory_image])

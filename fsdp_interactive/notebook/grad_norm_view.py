@@ -7,7 +7,7 @@ from typing import Any
 from fsdp_interactive.inspect._records import GradNorms
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._remote import RankModel
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_bars
 from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text
 
@@ -68,7 +68,7 @@ class GradNormView(View):
         self._toggle.observe(lambda change: self.show_by(change["new"]), names="value")
         self._total = w.HTML()
         self._table = w.HTML()
-        self._image = w.Image(format="png")
+        self._image = png_image()
         return w.VBox(
             [w.HBox([self._refresh_button, self._toggle]), self._total, self._image, self._table]
         )

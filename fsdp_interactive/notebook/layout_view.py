@@ -7,7 +7,7 @@ from typing import Any
 from fsdp_interactive.inspect._records import ModelLayout
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._remote import RankModel
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import layout_figure
 from fsdp_interactive.notebook.render import layout_html, layout_text
 
@@ -44,7 +44,7 @@ class LayoutView(View):
         import ipywidgets as w
 
         self._table = w.HTML()
-        self._image = w.Image(format="png")
+        self._image = png_image()
         self._refresh_button = w.Button(
             description="Refresh", icon="refresh", disabled=self.source is None
         )

@@ -9,7 +9,7 @@ from typing import Any
 from fsdp_interactive.inspect._records import GradNormRecord, find_spikes, record_from_json
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._remote import RankModel
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_history_figure
 from fsdp_interactive.notebook.render import history_text
 
@@ -148,7 +148,7 @@ class GradNormMonitor(View):
         import ipywidgets as w
 
         self._summary = w.HTML()
-        self._image = w.Image(format="png")
+        self._image = png_image()
         self._refresh_button = w.Button(description="Refresh", icon="refresh")
         self._follow_button = w.ToggleButton(
             description="Follow", value=False, disabled=self.log_path is None

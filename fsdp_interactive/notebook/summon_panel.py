@@ -8,7 +8,7 @@ from typing import Any
 from fsdp_interactive.inspect._records import TensorStats
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._remote import RankModel
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
 from fsdp_interactive.notebook.render import stats_html, stats_text
 
@@ -110,7 +110,7 @@ class SummonPanel(View):
         self._choice = w.Dropdown(options=options, value=self.fqn, description="tensor")
         self._choice.observe(self._on_choice, names="value")
         self._stats = w.HTML()
-        self._image = w.Image(format="png")
+        self._image = png_image()
         self._expression = w.Text(placeholder="x[0] = 0   or   x * 0.5", description="edit")
         self._apply_button = w.Button(description="Apply", icon="pencil")
         self._confirm_button = w.Button(description="Confirm", button_style="danger")
