@@ -8,7 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_interactive.inspect._dtensor import local_tensor, named_parameters, replication
+from fsdp_interactive.inspect._dtensor import (
+    comm_device,
+    local_tensor,
+    named_parameters,
+    replication,
+)
 from fsdp_interactive.inspect._records import GradNorms
 
 
@@ -27,8 +32,11 @@ def reduce_grad_stats(
     One all-reduce (two for ``norm_type=inf``) over the default group; every rank of it must
     call.  Each rank contributes its local shard's ``sum |g|^p`` divided by how many ranks
     hold the same piece, so replicated pieces count once.  Parameters without a gradient on
-    every rank get norm 0 and has-grad 0.  Accumulates in float64.
+    every rank get norm 0 and has-grad 0.  Accumulates in float64 on the group's
+    communication device (CUDA for an NCCL group, else CPU); returns CPU tensors.
     """
+    device = comm_device()
+    f64 = {"dtype": torch.float64, "device": device}
     names: list[str] = []
     powers: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
@@ -36,28 +44,28 @@ def reduce_grad_stats(
         names.append(fqn)
         grad = param.grad
         if grad is None:
-            powers.append(torch.zeros((), dtype=torch.float64))
-            counts.append(torch.zeros(3, dtype=torch.float64))
+            powers.append(torch.zeros((), **f64))
+            counts.append(torch.zeros(3, **f64))
             continue
         local = local_tensor(grad).detach().to(torch.float64)
         copies = replication(grad)
         if math.isinf(norm_type):
-            power = local.abs().max() if local.numel() else torch.zeros((), dtype=torch.float64)
+            power = local.abs().max() if local.numel() else local.new_zeros(())
         else:
             power = local.abs().pow(norm_type).sum() / copies
-        powers.append(power)
+        powers.append(power.to(device))
         counts.append(
             torch.stack(
                 [
                     local.isnan().sum().to(torch.float64) / copies,
                     local.isinf().sum().to(torch.float64) / copies,
-                    torch.tensor(1.0 / copies, dtype=torch.float64),
+                    local.new_full((), 1.0 / copies),
                 ]
-            )
+            ).to(device)
         )
     n = len(names)
-    power_vec = torch.stack(powers) if powers else torch.zeros(0, dtype=torch.float64)
-    count_vec = torch.stack(counts).reshape(-1) if counts else torch.zeros(0, dtype=torch.float64)
+    power_vec = torch.stack(powers) if powers else torch.zeros(0, **f64)
+    count_vec = torch.stack(counts).reshape(-1) if counts else torch.zeros(0, **f64)
     distributed = dist.is_available() and dist.is_initialized()
     if math.isinf(norm_type):
         if distributed:
@@ -70,8 +78,8 @@ def reduce_grad_stats(
             dist.all_reduce(both)
             power_vec, count_vec = both[:n], both[n:]
         norms = power_vec.clamp_min(0).pow(1.0 / norm_type)
-    count_vec = count_vec.reshape(n, 3).round()
-    return names, norms, count_vec[:, 0], count_vec[:, 1], count_vec[:, 2] > 0
+    count_vec = count_vec.reshape(n, 3).round().cpu()
+    return names, norms.cpu(), count_vec[:, 0], count_vec[:, 1], count_vec[:, 2] > 0
 
 
 def _combine(norms: list[float], norm_type: float) -> float:
