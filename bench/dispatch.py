@@ -108,7 +108,7 @@ def run(settings: Settings) -> FigureResult:
     result = FigureResult("dispatch", "Cell dispatch (no-op round trip)")
     pool_missing = missing("fsdp_interactive.pool", "Pool")
     magic_missing = pool_missing or magic_unavailable()
-    round_trips = 30 if settings.quick else 200
+    round_trips = 30 if settings.quick else 100
     relaunches = 1 if settings.quick else 3
     result.notes.append(
         f"In-process contenders: {round_trips} round trips each, alternated, after "

@@ -84,7 +84,7 @@ def run(settings: Settings) -> FigureResult:
     )
     size = model_size(settings)
     steps = 3 if settings.quick else 5
-    reps = settings.reps if settings.quick else 3 * settings.reps
+    reps = settings.reps if settings.quick else 2 * settings.reps
     result.notes.append(
         f"Model: as in the training-step figure, sharded with "
         f"{'FullyShardedDataParallel (ours)' if wrapper == 'ours' else 'fully_shard by hand'}; "

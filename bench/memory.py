@@ -36,6 +36,10 @@ LABELS = {
 }
 
 
+def _ranks(world: int) -> str:
+    return "1 rank" if world == 1 else f"{world} ranks"
+
+
 def _storage_bytes(tensors: list[Any]) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -231,28 +235,28 @@ def run(settings: Settings) -> FigureResult:
         per_rank = held_by_world[world]
         full = sum(per_rank[0]["full"].values())
         ideal = full / world
-        result.measurements[f"{world} ranks: full/N"] = Stat([ideal], "B")
+        result.measurements[f"{_ranks(world)}: full/N"] = Stat([ideal], "B")
         for name in contenders:
             totals = [sum(rank_held[name].values()) for rank_held in per_rank]
             stat = Stat([float(max(totals))], "B")
-            result.measurements[f"{world} ranks: {LABELS[name]} (largest rank)"] = stat
+            result.measurements[f"{_ranks(world)}: {LABELS[name]} (largest rank)"] = stat
             parts = per_rank[max(range(world), key=lambda r, t=totals: t[r])][name]
             if name == "ours" or world == max(worlds):
                 result.notes.append(
-                    f"{world} ranks, {LABELS[name]}: "
+                    f"{_ranks(world)}, {LABELS[name]}: "
                     + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in parts.items())
                     + f" (full/N = {ideal / 2**20:.2f} MiB)."
                 )
         for name in ["ours", *[c for c in contenders if c != "ours"]]:
-            key = f"{world} ranks: {LABELS[name]} (largest rank)"
+            key = f"{_ranks(world)}: {LABELS[name]} (largest rank)"
             result.comparisons.append(
                 Comparison(
                     figure=result.key,
-                    case=f"{world} ranks, params+grads+optimizer",
+                    case=f"{_ranks(world)}, params+grads+optimizer",
                     subject_name=LABELS[name],
                     reference_name="full model / N",
                     subject=result.measurements.get(key),
-                    reference=result.measurements[f"{world} ranks: full/N"],
+                    reference=result.measurements[f"{_ranks(world)}: full/N"],
                     target=Target("<=", 1.01),
                     unavailable=unavailable if name == "ours" else None,
                     note="" if name == "ours" else "baseline, same yardstick",
