@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.findings import FINDINGS
+from bench.findings import FINDINGS, OBSERVATIONS
 from bench.runner import Comparison, FigureResult, Stat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -245,12 +245,16 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
     add("")
     if not missed:
         add("No target of ours was missed in this run.")
+    groups: dict[tuple[str, str, str], list[tuple[FigureResult, Comparison]]] = {}
     for figure, c in missed:
-        finding = FINDINGS.get((figure.key, c.subject_name, c.reference_name))
+        groups.setdefault((figure.key, c.subject_name, c.reference_name), []).append((figure, c))
+    for key, members in groups.items():
+        figure = members[0][0]
+        cases = "; ".join(f"{c.case}: {fmt_ratio(c)}" for _, c in members)
+        target = members[0][1].target
         add(
-            f"- **{figure.title}, {c.case}: {c.subject_name} vs {c.reference_name}** "
-            f"({fmt_ratio(c)}, target {c.target}): "
-            + (finding or "no profile recorded for this miss yet.")
+            f"- **{figure.title}: {key[1]} vs {key[2]}** (target {target}; {cases}): "
+            + (FINDINGS.get(key) or "no profile of this miss is recorded yet.")
         )
     add("")
     for figure in figures:
@@ -271,6 +275,9 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
         for note in figure.notes:
             add(f"- {note}")
         if figure.notes:
+            add("")
+        if figure.key in OBSERVATIONS:
+            add(f"Profiled: {OBSERVATIONS[figure.key]}")
             add("")
         add("| Measurement | Median | Min | Max | Samples |")
         add("| --- | --- | --- | --- | --- |")
