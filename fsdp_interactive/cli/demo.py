@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from fsdp_interactive.cli._arguments import positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,10 +18,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "write a PNG report."
         ),
     )
-    parser.add_argument("-n", "--ranks", type=_positive_int, default=None, help="number of ranks")
-    parser.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (40)")
-    parser.add_argument("--dim", type=_positive_int, default=64, help="model width (64)")
-    parser.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (4)")
+    parser.add_argument("-n", "--ranks", type=positive_int, default=None, help="number of ranks")
+    parser.add_argument("--steps", type=positive_int, default=40, help="optimizer steps (40)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="model width (64)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (4)")
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on GPUs, else gloo"
     )

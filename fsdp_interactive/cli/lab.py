@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 
+from fsdp_interactive.cli._arguments import tcp_port
+
 DISTRIBUTION = "fsdp-interactive"
 # Where the wheel installs the tutorials, relative to the installation prefix.
 BUNDLED_NOTEBOOKS = PurePosixPath("share/fsdp-interactive/notebooks")
@@ -45,16 +47,6 @@ class LabError(Exception):
     """A condition that stops ``lab`` before JupyterLab starts (exit status 2)."""
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number in 1..65535, got {text!r}")
-    return port
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``lab`` and its options."""
     parser = subparsers.add_parser(
@@ -66,7 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "Arguments after '--' go to JupyterLab unchanged."
         ),
     )
-    parser.add_argument("--port", type=_port, help="port to listen on (default: Jupyter's, 8888)")
+    parser.add_argument(
+        "--port", type=tcp_port, help="port to listen on (default: Jupyter's, 8888)"
+    )
     parser.add_argument("--ip", help="address to listen on (default: Jupyter's, localhost)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a web browser")
     parser.add_argument(
