@@ -297,6 +297,16 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
         "with gloo. On a GPU machine the same command measures the same contenders on CPU "
         "ranks; a CUDA/NCCL section is not produced yet."
     )
+    add(
+        "- The `%%fsdp` round trip is measured in a real IPython shell inside the benchmark "
+        "process, not through a Jupyter kernel: the kernel's own ZMQ message from the "
+        "notebook front end is not included (it is the same for `%%px` and raw "
+        "ipyparallel)."
+    )
+    add(
+        "- Async checkpoint saves on GPU ranks (where staging is a device-to-host copy), "
+        "multi-node pools and NCCL collectives: not available on this machine."
+    )
     add("")
     add("## How to reproduce")
     add("")
