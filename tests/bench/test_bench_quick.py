@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# The quick run's checkpoint figure starts a group of four ranks.
+pytestmark = pytest.mark.world4
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ("dispatch", "cold_start", "train_step", "memory", "grad_norm", "checkpoint")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
