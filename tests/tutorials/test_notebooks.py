@@ -9,8 +9,8 @@ not collected (or a cell that is skipped) fails this test.
 Every process of the run carries a marker in its environment; after the run no process
 with that marker may be alive (the notebooks stop their pools; nothing may leak).
 
-To refresh the stored outputs after a deliberate change, re-execute the notebook:
-``.venv/bin/jupyter execute --inplace notebooks/NN_name.ipynb``.
+To refresh the stored outputs after a deliberate change, re-execute the notebook the same
+way: ``IPP_NONINTERACTIVE=1 .venv/bin/jupyter execute --inplace notebooks/NN_name.ipynb``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path):
     assert notebooks, f"no notebooks in {NOTEBOOKS}"
     report = tmp_path / "nbval.xml"
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker}
+    # IPP_NONINTERACTIVE: %%fsdp shows rank outputs when a cell ends, grouped in rank order,
+    # instead of streaming them in arrival order (as ipyparallel's %%px does for nbval).
+    env = {**os.environ, MARKER: marker, "IPP_NONINTERACTIVE": "1"}
     command = [
         sys.executable,
         "-m",
