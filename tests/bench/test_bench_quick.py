@@ -101,3 +101,16 @@ def test_plot_is_a_png(quick_report: Path) -> None:
     data = (quick_report / "benchmarks.png").read_bytes()
     assert data.startswith(PNG_MAGIC)
     assert len(data) > 10_000
+
+
+def test_recorded_causes_name_comparisons_the_report_makes(quick_report: Path) -> None:
+    from bench.findings import FINDINGS, OBSERVATIONS
+
+    made = {
+        (key, c["subject_name"], c["reference_name"])
+        for key, figure in _figures(quick_report).items()
+        for c in figure["comparisons"]
+    }
+    stale = sorted(set(FINDINGS) - made)
+    assert not stale, f"findings that no comparison would ever quote: {stale}"
+    assert set(OBSERVATIONS) <= set(FIGURES)
