@@ -83,9 +83,13 @@ def run_figure(key: str, settings: Settings) -> FigureResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.render_only:
-        info, figures = load_results(args.out / "benchmarks.json")
+        results = args.out / "benchmarks.json"
+        if not results.is_file():
+            parser.error(f"--render-only needs {results} from an earlier run; it does not exist")
+        info, figures = load_results(results)
         paths = write_report(info, figures, args.out)
         print(f"re-rendered {paths['md']} and {paths['png']}")
         return 0
