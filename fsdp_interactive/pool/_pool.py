@@ -80,6 +80,7 @@ from fsdp_interactive.pool._errors import (
 )
 from fsdp_interactive.pool._loop import LoopThread
 from fsdp_interactive.pool._output import OutputSink, RunResult, TaggedPrinter, plain_result
+from fsdp_interactive.pool._reaper import end_processes, start_reaper, write_pid_file
 from fsdp_interactive.pool._stacks import describe, format_stack, in_distributed, user_stack
 from fsdp_interactive.pool._topology import RankRecord, RankSlot, assign_ranks, format_table
 
@@ -187,6 +188,7 @@ class Pool:
         self._launchers_by_pid: dict[int, Any] = {}
         self._state = "stopped"
         self._stack_dir: str | None = None
+        self._reaper: Any = None
         self._thread_ids: dict[int, int] = {}
         self._stack_paths: dict[int, str] = {}
         self._last_frames: dict[int, list[Any]] = {}
@@ -499,6 +501,19 @@ class Pool:
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 self.launched_pids.setdefault(pid, psutil.Process(pid).create_time())
+        self._arm_reaper()
+
+    def _arm_reaper(self) -> None:
+        """Keep the orphan reaper's pid file current, and start the reaper once.
+
+        The reaper ends these processes if this (the owning) process dies without
+        stopping the pool; see :mod:`fsdp_interactive.pool._reaper`.
+        """
+        assert self._stack_dir is not None
+        pid_file = os.path.join(self._stack_dir, "launched.json")
+        write_pid_file(pid_file, self.launched_pids)
+        if self._reaper is None or self._reaper.poll() is not None:
+            self._reaper = start_reaper(pid_file)
 
     def _wait_for_engines(self, n: int, deadline: float) -> None:
         while len(self._client.ids) < n:
@@ -940,6 +955,7 @@ class Pool:
             with contextlib.suppress(Exception):
                 loop.run(cluster.stop_controller, timeout=60)
         self._reap_launched()
+        self._stop_reaper()
         if loop is not None:
             loop.close()
         if self._stack_dir:
@@ -956,21 +972,22 @@ class Pool:
         self._state = "stopped"
         _live_pools.discard(self)
 
+    def _stop_reaper(self) -> None:
+        """End the orphan reaper through the handle that started it."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is None:
+            return
+        with contextlib.suppress(OSError):
+            reaper.terminate()
+        try:
+            reaper.wait(timeout=10)
+        except Exception:
+            reaper.kill()
+            reaper.wait(timeout=10)
+
     def _reap_launched(self) -> None:
         """Kill, by exact pid and start time, any recorded process still alive."""
-        survivors = []
-        for pid, created in self.launched_pids.items():
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-                    survivors.append(proc)
-        if not survivors:
-            return
-        _, alive = psutil.wait_procs(survivors, timeout=10)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=10)
+        end_processes(self.launched_pids, grace=10)
 
 
 _NAMESPACE_SETUP = """\

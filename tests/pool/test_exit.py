@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from fsdp_interactive.pool._reaper import end_processes
 from tests.pool.conftest import wait_gone
 
 SCRIPT = """
@@ -29,3 +30,38 @@ def test_interpreter_exit_stops_a_running_pool(profile_dir):
     launched = {int(pid): created for pid, created in json.loads(result.stdout).items()}
     assert len(launched) >= 3  # controller, engine, nanny
     assert wait_gone(launched) == []
+
+
+KILLED_OWNER_SCRIPT = """
+import json, sys, time
+from fsdp_interactive.pool import Pool
+pool = Pool(n=1, devices="cpu", profile_dir=sys.argv[1], show_topology=False).start()
+pool.run("dist.barrier()", stream=False)
+print(json.dumps(pool.launched_pids), flush=True)
+time.sleep(600)  # killed by the test while the pool runs
+"""
+
+
+def test_killed_owner_leaves_no_engine_or_controller(profile_dir):
+    """SIGKILL of the kernel-like owner: no atexit runs, the orphan reaper ends the pool."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", KILLED_OWNER_SCRIPT, profile_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    launched: dict[int, float] = {}
+    try:
+        line = owner.stdout.readline()
+        assert line, owner.stderr.read()
+        launched = {int(pid): created for pid, created in json.loads(line).items()}
+        assert len(launched) >= 3  # controller, engine, nanny
+        owner.kill()
+        owner.wait(timeout=30)
+        assert wait_gone(launched, timeout=30) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=30)
+        # Whatever the reaper missed is ended here, by exact pid and start time.
+        end_processes(launched, grace=5)
