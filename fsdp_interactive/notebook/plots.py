@@ -32,7 +32,9 @@ def rank_color(rank: int) -> str:
 
 def layout_figure(model_layout: ModelLayout, max_params: int = 40) -> Figure:
     """Left: one bar per parameter, split into the element range each rank holds (padding
-    hatched).  Right: bytes per rank (parameters, gradients, optimizer state, buffers)."""
+    hatched; ranks holding the same slice, as the replicas of a hybrid mesh do, are stacked
+    in the bar's height).  Right: bytes per rank (parameters, gradients, optimizer state,
+    buffers)."""
     params = list(model_layout.params[:max_params])
     height = max(2.5, 0.32 * len(params) + 1.2)
     figure = Figure(figsize=(11, height))
@@ -40,34 +42,46 @@ def layout_figure(model_layout: ModelLayout, max_params: int = 40) -> Figure:
     for row, param in enumerate(params):
         y = len(params) - 1 - row
         cursor = 0
+        fully_replicated = not param.is_dtensor or all(
+            p.startswith("Replicate") for p in param.placements
+        )
+        # Ranks holding the same slice (the replicas of a hybrid mesh) share its bar height.
+        replicas: dict[tuple, list[int]] = {}
+        for piece in param.slices:
+            replicas.setdefault((piece.offset, piece.local_shape), []).append(piece.rank)
         for piece in param.slices:
             fraction = piece.numel / param.numel if param.numel else 0
             pad = piece.padding / param.numel if param.numel else 0
             start = (
                 _flat_start(param.global_shape, piece.offset) / param.numel if param.numel else 0
             )
-            if not param.is_dtensor or all(p.startswith("Replicate") for p in param.placements):
+            band, bands = 0, 1
+            if fully_replicated:
                 start, fraction = cursor / max(1, len(param.slices)), 1 / max(1, len(param.slices))
                 cursor += 1
+            else:
+                holders = replicas[(piece.offset, piece.local_shape)]
+                band, bands = holders.index(piece.rank), len(holders)
+            bottom, tall = y - 0.4 + band * 0.8 / bands, 0.8 / bands
             bars.add_patch(
-                Rectangle((start, y - 0.4), fraction, 0.8, color=rank_color(piece.rank), ec="white")
+                Rectangle((start, bottom), fraction, tall, color=rank_color(piece.rank), ec="white")
             )
             if fraction > 0.06:
                 bars.text(
                     start + fraction / 2,
-                    y,
+                    bottom + tall / 2,
                     f"r{piece.rank}",
                     ha="center",
                     va="center",
                     color="white",
-                    fontsize=8,
+                    fontsize=8 if bands == 1 else 6,
                 )
             if pad > 0:
                 bars.add_patch(
                     Rectangle(
-                        (start + fraction, y - 0.4),
+                        (start + fraction, bottom),
                         pad,
-                        0.8,
+                        tall,
                         fill=False,
                         hatch="//",
                         ec=rank_color(piece.rank),

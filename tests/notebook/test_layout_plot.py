@@ -1,0 +1,43 @@
+"""The layout picture draws every rank's slice visibly, also on a hybrid (2x2) mesh."""
+
+from __future__ import annotations
+
+from matplotlib.patches import Rectangle
+
+from fsdp_interactive.inspect import ModelLayout, ParamLayout, RankTotals, ShardSlice
+from fsdp_interactive.notebook.plots import layout_figure
+
+
+def _hybrid_layout() -> ModelLayout:
+    """An (8, 6) weight on a (replicate=2, shard=2) mesh: ranks 0 and 2 hold rows 0-3."""
+    slices = tuple(
+        ShardSlice(rank=r, local_shape=(4, 6), offset=(4 * (r % 2), 0), numel=24, padded_numel=24)
+        for r in range(4)
+    )
+    param = ParamLayout(
+        fqn="w",
+        global_shape=(8, 6),
+        dtype="float32",
+        element_size=4,
+        is_dtensor=True,
+        placements=("Replicate()", "Shard(dim=0)"),
+        mesh_shape=(2, 2),
+        mesh_dim_names=("replicate", "shard"),
+        requires_grad=True,
+        slices=slices,
+    )
+    totals = tuple(RankTotals(r, 96, 0, 0, 0) for r in range(4))
+    return ModelLayout(world_size=4, params=(param,), ranks=totals)
+
+
+def test_replicas_of_a_hybrid_mesh_are_stacked_not_overdrawn() -> None:
+    bars = layout_figure(_hybrid_layout()).axes[0]
+    boxes = [
+        (round(p.get_x(), 6), round(p.get_y(), 6), round(p.get_width(), 6), p.get_height())
+        for p in bars.patches
+        if isinstance(p, Rectangle) and p.get_fill()
+    ]
+    assert len(boxes) == 4
+    assert len(set(boxes)) == 4, f"two ranks drawn on the same spot: {boxes}"
+    labels = sorted(t.get_text() for t in bars.texts)
+    assert labels == ["r0", "r1", "r2", "r3"]
