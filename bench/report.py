@@ -156,7 +156,9 @@ def fmt_ratio(comparison: Comparison) -> str:
     ratio = comparison.ratio
     if ratio is None:
         return "—"
-    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
+    if ratio >= 100:
+        return f"{ratio:.0f}x"
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.3f}x"
 
 
 def verdict(comparison: Comparison) -> str:
