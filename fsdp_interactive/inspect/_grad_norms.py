@@ -38,34 +38,34 @@ def reduce_grad_stats(
     device = comm_device()
     f64 = {"dtype": torch.float64, "device": device}
     names: list[str] = []
-    powers: list[torch.Tensor] = []
-    counts: list[torch.Tensor] = []
+    counts: list[list[float]] = []  # per parameter: NaN count, Inf count, has-grad weight
+    shards: list[tuple[int, torch.Tensor, int]] = []  # (index, local shard, copies)
     for fqn, param in named_parameters(model):
         names.append(fqn)
-        grad = param.grad
-        if grad is None:
-            powers.append(torch.zeros((), **f64))
-            counts.append(torch.zeros(3, **f64))
+        counts.append([0.0, 0.0, 0.0])
+        if param.grad is None:
             continue
-        local = local_tensor(grad).detach().to(torch.float64)
-        copies = replication(grad)
-        if math.isinf(norm_type):
-            power = local.abs().max() if local.numel() else local.new_zeros(())
-        else:
-            power = local.abs().pow(norm_type).sum() / copies
-        powers.append(power.to(device))
-        counts.append(
-            torch.stack(
-                [
-                    local.isnan().sum().to(torch.float64) / copies,
-                    local.isinf().sum().to(torch.float64) / copies,
-                    local.new_full((), 1.0 / copies),
-                ]
-            ).to(device)
-        )
+        copies = replication(param.grad)
+        counts[-1][2] = 1.0 / copies
+        local = local_tensor(param.grad).detach()
+        if local.numel():
+            shards.append((len(names) - 1, local, copies))
     n = len(names)
-    power_vec = torch.stack(powers) if powers else torch.zeros(0, **f64)
-    count_vec = torch.stack(counts).reshape(-1) if counts else torch.zeros(0, **f64)
+    power_vec = torch.zeros(n, **f64)
+    if shards:
+        # One fused pass over all shards, accumulated in float64; NaN/Inf are counted
+        # only for the shards whose norm is not finite.
+        indices = torch.tensor([index for index, _, _ in shards], device=device)
+        copies = torch.tensor([c for _, _, c in shards], **f64)
+        norms = torch.stack(
+            torch._foreach_norm([t for _, t, _ in shards], norm_type, dtype=torch.float64)
+        ).to(device)
+        power_vec[indices] = norms if math.isinf(norm_type) else norms.pow(norm_type) / copies
+        for (index, local, c), finite in zip(shards, norms.isfinite().tolist(), strict=True):
+            if not finite:
+                counts[index][0] = local.isnan().sum().item() / c
+                counts[index][1] = local.isinf().sum().item() / c
+    count_vec = torch.tensor(counts, **f64).reshape(-1)
     distributed = dist.is_available() and dist.is_initialized()
     if math.isinf(norm_type):
         if distributed:
