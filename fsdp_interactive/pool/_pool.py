@@ -466,7 +466,17 @@ class Pool:
         # The pool stops its cluster at exit itself (engines first, on its own loop).
         kwargs.setdefault("shutdown_atexit", False)
         # Results are never fetched again from the controller: do not keep them there.
-        kwargs.setdefault("controller_args", ["--nodb"])
+        # The controller completes an engine's registration at its next heartbeat; ping
+        # every 0.3 s instead of 3 s (start-up waits on it), allowing 100 misses so a busy
+        # engine is declared dead no sooner than before (death is reported by the nanny).
+        kwargs.setdefault(
+            "controller_args",
+            [
+                "--nodb",
+                "--HeartMonitor.period=300",
+                "--HeartMonitor.max_heartmonitor_misses=100",
+            ],
+        )
         kwargs.setdefault("engine_timeout", int(self.timeout))
 
         async def launch() -> None:
@@ -716,13 +726,15 @@ class Pool:
                     pump()
                     if not pending:
                         break
-                    dead = self._dead_ranks()
-                    if dead:
-                        self._die(dead)
                     if end is not None and time.monotonic() > end:
                         self._remember_unfinished(handles)
                         raise self._timeout_error(pending, limit_text, code, wait)
                     handles[pending[0]].wait(_POLL_S)
+                    if handles[pending[0]].ready():
+                        continue  # progress: liveness is checked only when a wait ran out
+                    dead = self._dead_ranks()
+                    if dead:
+                        self._die(dead)
                 for handle in handles.values():
                     # stream messages may trail the reply; wait for them briefly
                     handle.wait_for_output(_OUTPUT_GRACE_S)
