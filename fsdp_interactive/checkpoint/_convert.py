@@ -27,11 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._collective import single_process_quietly
 from fsdp_interactive.checkpoint._load import _check_folder, _paths_of, _unwrap_dcp_error
-from fsdp_interactive.checkpoint._safe_reader import (
-    METADATA_FILE,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-)
+from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE, safe_load
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
@@ -76,13 +72,7 @@ def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
         if isinstance(entry, TensorStorageMetadata) and len(path) == 2:
             target["model"][path[1]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     try:
-        with single_process_quietly():
-            dcp.load(
-                target,
-                storage_reader=SafeFileSystemReader(str(folder)),
-                planner=SafeLoadPlanner(),
-                no_dist=True,
-            )
+        safe_load(target, folder, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:

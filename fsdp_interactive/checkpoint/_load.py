@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,12 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive.checkpoint import _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks, single_process_quietly
-from fsdp_interactive.checkpoint._safe_reader import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_metadata,
-)
+from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive.checkpoint._safe_reader import read_metadata, safe_load
 from fsdp_interactive.checkpoint._save import wait_for_pending_save
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
@@ -299,13 +294,7 @@ def load(
 
     error = None
     try:
-        with single_process_quietly():
-            dcp.load(
-                target,
-                storage_reader=SafeFileSystemReader(str(folder)),
-                planner=SafeLoadPlanner(),
-                no_dist=not ranks.distributed,
-            )
+        safe_load(target, folder, no_dist=not ranks.distributed)
     except (Exception, CheckpointException) as exc:
         error = _unwrap_dcp_error(exc)
     ranks.agree(error if isinstance(error, CheckpointError) else None)

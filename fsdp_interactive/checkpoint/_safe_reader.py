@@ -29,6 +29,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_interactive.checkpoint._collective import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 METADATA_FILE = ".metadata"
@@ -197,3 +199,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_load(state: dict[str, Any], folder: str | os.PathLike, no_dist: bool) -> None:
+    """``dcp.load`` into ``state`` from ``folder`` through :class:`SafeFileSystemReader` and
+    :class:`SafeLoadPlanner` (no arbitrary unpickling); DCP's errors propagate unchanged."""
+    with single_process_quietly():
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(folder)),
+            planner=SafeLoadPlanner(),
+            no_dist=no_dist,
+        )
