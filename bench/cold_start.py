@@ -6,9 +6,11 @@
   trivial script ``bench/scripts/noop_rank.py``; timed from launch until rank 0 reports,
   after a barrier, that the group is up.
 
-The two alternate, sample by sample, with a third contender that is an experiment, not
-the shipped default: the same ``Pool.start()`` with ipyparallel's controller heartbeat
-period (``HeartMonitor.period``) at 300 ms instead of 3 s.  Target: ours <= 1.0x
+The two alternate, sample by sample, with two more rows that are not compared with a
+target: the same ``Pool.start()`` with ipyparallel's own local launcher (every engine
+started from scratch once the controller is up, importing torch on its first call; what
+the pool did before it forked its engines), and ``Pool.restart()`` of the started pool
+(the engine forker is kept, so no torch import happens).  Target: ours <= 1.0x
 torchrun.
 """
 
@@ -22,21 +24,31 @@ from bench.torchrun import relaunch
 
 POOL = "Pool(N).start() (ours)"
 TORCHRUN = "torchrun to a ready group"
-FAST_HEARTBEAT = "Pool(N).start() with HeartMonitor.period=300 ms (experiment, not the default)"
-# ipyparallel's Hub completes an engine's registration only once its heart monitor has
-# seen the engine beat; the monitor pings every 3 s by default.
-FAST_HEARTBEAT_ARGS = {"controller_args": ["--HeartMonitor.period=300"]}
+FROM_SCRATCH = "Pool(N).start() with engines started from scratch (ipyparallel's launcher)"
+RESTART = "Pool.restart() of a started pool (ours)"
+# Asking for ipyparallel's own way of passing the connection info turns the pool's
+# forked, early-started engines off (see fsdp_interactive.pool._pool).
+FROM_SCRATCH_ARGS = {"send_engines_connection_env": True}
 
 
-def pool_start_seconds(world: int, **cluster_kwargs: object) -> float:
-    """Seconds ``Pool(world).start()`` takes; the pool is stopped afterwards."""
+def pool_start_seconds(world: int, restart: bool = False, **cluster_kwargs: object):
+    """Seconds ``Pool(world).start()`` takes (and ``restart()`` after it, if asked).
+
+    Returns ``(start_s, restart_s or None)``; the pool is stopped afterwards.
+    """
     from fsdp_interactive.pool import Pool
 
     pool = Pool(world, devices="cpu", show_topology=False, **cluster_kwargs)
     try:
-        start = time.perf_counter()
+        begin = time.perf_counter()
         pool.start()
-        return time.perf_counter() - start
+        started = time.perf_counter() - begin
+        restarted = None
+        if restart:
+            begin = time.perf_counter()
+            pool.restart()
+            restarted = time.perf_counter() - begin
+        return started, restarted
     finally:
         pool.stop()
 
@@ -52,26 +64,35 @@ def run(settings: Settings) -> FigureResult:
     for world in settings.world_sizes:
         case = f"{world} ranks"
         pool_samples: list[float] = []
-        fast_samples: list[float] = []
+        restart_samples: list[float] = []
+        scratch_samples: list[float] = []
         torchrun_samples: list[float] = []
         for _ in range(reps):
             if not unavailable:
-                pool_samples.append(pool_start_seconds(world))
+                started, restarted = pool_start_seconds(world, restart=True)
+                pool_samples.append(started)
+                restart_samples.append(restarted)
                 if not settings.quick:
-                    fast_samples.append(pool_start_seconds(world, **FAST_HEARTBEAT_ARGS))
+                    scratch_samples.append(pool_start_seconds(world, **FROM_SCRATCH_ARGS)[0])
             torchrun_samples.append(relaunch(world).ready_s)
         subject = Stat(pool_samples, "s") if pool_samples else None
         reference = Stat(torchrun_samples, "s")
         result.measurements[f"{case}: {TORCHRUN}"] = reference
         if subject is not None:
             result.measurements[f"{case}: {POOL}"] = subject
-        if fast_samples:
-            fast = Stat(fast_samples, "s")
-            result.measurements[f"{case}: {FAST_HEARTBEAT}"] = fast
+            restarts = Stat(restart_samples, "s")
+            result.measurements[f"{case}: {RESTART}"] = restarts
             result.notes.append(
-                f"{case}: with the controller's heartbeat period at 300 ms instead of 3 s, "
-                f"Pool.start() took {fast.median:.2f} s ({fast.median / reference.median:.2f}x "
-                f"torchrun) instead of {subject.median:.2f} s."
+                f"{case}: Pool.restart() took {restarts.median:.2f} s "
+                f"({restarts.median / reference.median:.2f}x torchrun's start)."
+            )
+        if scratch_samples and subject is not None:
+            scratch = Stat(scratch_samples, "s")
+            result.measurements[f"{case}: {FROM_SCRATCH}"] = scratch
+            result.notes.append(
+                f"{case}: with engines started from scratch, Pool.start() took "
+                f"{scratch.median:.2f} s ({scratch.median / reference.median:.2f}x torchrun) "
+                f"instead of {subject.median:.2f} s."
             )
         result.comparisons.append(
             Comparison(

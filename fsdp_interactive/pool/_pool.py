@@ -21,6 +21,13 @@ Contract (what the notebook front relies on):
 
 Mechanisms:
 
+* Start-up: local engines are forked from one process that imports torch while the
+  controller starts (:mod:`._forked_launcher`, :mod:`._engine_forker`); they wait for
+  the controller's connection file themselves (:mod:`._engine_entry`), so controller,
+  torch import and engine start-up overlap instead of following each other.
+  ``restart()`` keeps that process and forks fresh engines from it. An ``engines=``
+  launcher other than ``"local"``, or an ipyparallel ``config`` that sets the engine
+  command, gets ipyparallel's own launchers unchanged.
 * Rendezvous: rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race),
   all ranks call ``init_process_group`` concurrently on it, then count themselves in on
   the store and wait for the full count; one ``all_reduce`` checks the backend.
@@ -68,6 +75,7 @@ import psutil
 
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._devices import visible_cuda_device_count
+from fsdp_interactive.pool._engine_entry import engine_command
 from fsdp_interactive.pool._errors import (
     PoolBusy,
     PoolNotRunning,
@@ -189,6 +197,7 @@ class Pool:
         self._state = "stopped"
         self._stack_dir: str | None = None
         self._reaper: Any = None
+        self._forker: Any = None  # an EngineForker once local engines were forked
         self._thread_ids: dict[int, int] = {}
         self._stack_paths: dict[int, str] = {}
         self._last_frames: dict[int, list[Any]] = {}
@@ -321,7 +330,7 @@ class Pool:
         Owned engines are stopped and started again (all rank state is lost);
         connected engines leave the old group and form a new one.
         """
-        self._teardown()
+        self._teardown(keep_forker=True)
         return self.start()
 
     def interrupt(self, targets: Targets = None) -> None:
@@ -450,6 +459,11 @@ class Pool:
     def _launch_or_connect(self, n: int | None) -> int:
         import ipyparallel as ipp
 
+        from fsdp_interactive.pool._forked_launcher import (
+            ForkedEngineSetLauncher,
+            forking_supported,
+        )
+
         assert self._loop is not None
         deadline = time.monotonic() + self.timeout
         if self._connect_kwargs is not None:
@@ -479,10 +493,30 @@ class Pool:
         )
         kwargs.setdefault("engine_timeout", int(self.timeout))
 
+        engines: Any = self.engines
+        early_engines = (
+            engines == "local"
+            and forking_supported()
+            and not {"send_engines_connection_env", "engine_launcher_class"} & set(kwargs)
+            and not _configures_engine_command(kwargs.get("config"))
+        )
+        if early_engines:
+            # Local engines are forked from one process that imported torch while the
+            # controller started, and wait for its connection file themselves (see
+            # _forked_launcher and _engine_entry); ipyparallel's own local launcher starts
+            # each engine from scratch once the controller is up.
+            kwargs["send_engines_connection_env"] = False
+            engines = ForkedEngineSetLauncher
+
         async def launch() -> None:
-            self._cluster = ipp.Cluster(n=n, engines=self.engines, **kwargs)
+            self._cluster = ipp.Cluster(n=n, engines=engines, **kwargs)
             await self._cluster.start_controller()
-            await self._cluster.start_engines(n)
+            engine_kwargs = {}
+            if early_engines:
+                connection_file = self._cluster.controller.connection_files["engine"]
+                engine_kwargs["engine_cmd"] = engine_command(connection_file, self.timeout)
+                engine_kwargs["forker"] = self._running_forker()
+            await self._cluster.start_engines(n, **engine_kwargs)
 
         try:
             self._loop.run(launch, timeout=self.timeout)
@@ -501,6 +535,8 @@ class Pool:
         if cluster.controller is not None and getattr(cluster.controller, "pid", -1) > 0:
             pids.append(cluster.controller.pid)
         for engine_set in cluster.engines.values():
+            if getattr(engine_set, "forker_pid", None):
+                pids.append(engine_set.forker_pid)
             for launcher in getattr(engine_set, "launchers", {}).values():
                 if getattr(launcher, "pid", -1) > 0:
                     self._launchers_by_pid[launcher.pid] = launcher
@@ -950,8 +986,11 @@ class Pool:
 
     # ------------------------------------------------------------------ teardown
 
-    def _teardown(self) -> None:
-        """Stop what this pool started (owned) or leave the group (connected)."""
+    def _teardown(self, keep_forker: bool = False) -> None:
+        """Stop what this pool started (owned) or leave the group (connected).
+
+        ``keep_forker``: leave the engine forker running, for a restart to fork from.
+        """
         client, cluster, loop = self._client, self._cluster, self._loop
         if client is not None and not self.owns_engines and self._records:
             with contextlib.suppress(Exception):
@@ -966,7 +1005,10 @@ class Pool:
                 loop.run(cluster.stop_engines, timeout=60)
             with contextlib.suppress(Exception):
                 loop.run(cluster.stop_controller, timeout=60)
-        self._reap_launched()
+        kept = self._forker if keep_forker and self._forker is not None else None
+        self._reap_launched(spare=kept.pid if kept is not None else None)
+        if kept is None:
+            self._stop_forker()
         self._stop_reaper()
         if loop is not None:
             loop.close()
@@ -997,9 +1039,27 @@ class Pool:
             reaper.kill()
             reaper.wait(timeout=10)
 
-    def _reap_launched(self) -> None:
-        """Kill, by exact pid and start time, any recorded process still alive."""
-        end_processes(self.launched_pids, grace=10)
+    def _reap_launched(self, spare: int | None = None) -> None:
+        """Kill, by exact pid and start time, any recorded process still alive but ``spare``."""
+        end_processes({p: t for p, t in self.launched_pids.items() if p != spare}, grace=10)
+
+    def _running_forker(self) -> Any:
+        """The engine forker local engines are forked from; started once, kept by restart()."""
+        from fsdp_interactive.pool._forked_launcher import EngineForker
+
+        if self._forker is None or not self._forker.running():
+            self._stop_forker()
+            log_dir = os.path.join(self._cluster.profile_dir, "log")
+            os.makedirs(log_dir, exist_ok=True)
+            log = os.path.join(log_dir, f"ipengine-forker-{self._cluster.cluster_id}.log")
+            self._forker = EngineForker(log, dict(os.environ))
+        return self._forker
+
+    def _stop_forker(self) -> None:
+        """End the engine forker through its handle, if one runs."""
+        forker, self._forker = self._forker, None
+        if forker is not None:
+            forker.close()
 
 
 _NAMESPACE_SETUP = """\
@@ -1010,6 +1070,14 @@ rank, world_size, local_rank, device = _fsdpi_rank_context()
 device = torch.device(device)
 del _fsdpi_rank_context
 """
+
+
+def _configures_engine_command(config: Any) -> bool:
+    """Whether an ipyparallel ``config`` sets the local launchers' ``engine_cmd``."""
+    if not config:
+        return False
+    sections = ("LocalEngineSetLauncher", "LocalEngineLauncher", "EngineLauncher")
+    return any("engine_cmd" in config.get(section, {}) for section in sections)
 
 
 def _check_n(n: Any) -> int | None:

@@ -64,7 +64,8 @@ def describe_engine() -> dict[str, Any]:
     try:
         import torch
 
-        torch_version = torch.__version__
+        # A plain str: torch's TorchVersion would make the kernel import torch to unpickle it.
+        torch_version = str(torch.__version__)
     except ImportError:
         torch_version = None
     return {

@@ -1,0 +1,106 @@
+"""The command a local engine runs: wait for the controller's connection file, then run.
+
+``python -m fsdp_interactive.pool._engine_entry --connection-file PATH --wait S [-- ARGS]``
+
+A plain ``ipengine`` needs the controller's connection file to exist when it starts, so
+ipyparallel's ``Cluster`` starts engines only once the controller has written it. With
+this entry the pool starts the engines together with the controller (forked from
+:mod:`._engine_forker`, which has torch imported already):
+
+1. wait until ``PATH`` (the controller's engine connection file) holds a complete JSON
+   document: the controller writes it non-atomically, so existence is not enough. After
+   ``S`` seconds without one, exit with status 1 and say why on stderr;
+2. hand the document to the engine as ``$IPP_CONNECTION_INFO`` (as ``Cluster`` does when
+   it starts engines after the controller) and run ipyparallel's engine application
+   with ``ARGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_POLL_S = 0.02
+
+
+def read_connection_info(path: str, wait_s: float) -> str:
+    """The text of ``path`` once it parses as a JSON object with ``key`` and ``interface``.
+
+    Raises ``TimeoutError`` after ``wait_s`` seconds without such a document.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = _complete_document(path)
+        if info is not None:
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the controller's connection file {path} did not appear (complete) "
+                f"within {wait_s:g}s"
+            )
+        time.sleep(_POLL_S)
+
+
+def _complete_document(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            text = f.read()
+        parsed: Any = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if isinstance(parsed, dict) and "key" in parsed and "interface" in parsed:
+        return text
+    return None
+
+
+def engine_command(connection_file: str, wait_s: float) -> list[str]:
+    """The ``engine_cmd`` for ipyparallel's local launchers that runs this entry."""
+    return [
+        sys.executable,
+        "-m",
+        "fsdp_interactive.pool._engine_entry",
+        "--connection-file",
+        connection_file,
+        "--wait",
+        f"{wait_s:g}",
+        "--",
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_interactive.pool._engine_entry",
+        description="Import torch while waiting for the controller, then run an engine.",
+    )
+    parser.add_argument("--connection-file", required=True, help="the controller's engine file")
+    parser.add_argument("--wait", type=float, required=True, help="seconds to wait for it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, engine_args = argv, []
+    if "--" in argv:
+        split = argv.index("--")
+        own, engine_args = argv[:split], argv[split + 1 :]
+    args = build_parser().parse_args(own)
+    if args.wait <= 0:
+        print(f"--wait must be a positive number of seconds, got {args.wait}", file=sys.stderr)
+        return 2
+    try:
+        os.environ["IPP_CONNECTION_INFO"] = read_connection_info(args.connection_file, args.wait)
+    except TimeoutError as exc:
+        print(f"engine not started: {exc}", file=sys.stderr, flush=True)
+        return 1
+    from ipyparallel.engine.app import IPEngine
+
+    IPEngine.launch_instance(argv=engine_args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""What the engine forker runs in its tests: report what this process sees, then exit.
+
+``python -m tests.pool.forker_child CODE`` prints one JSON line (pid, session, working
+directory, one environment variable, argv, whether torch is already imported, what stdin
+holds, a numpy random draw) and exits with status ``CODE``; ``sleep`` instead of a code
+waits to be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    import numpy
+
+    report = {
+        "pid": os.getpid(),
+        "sid": os.getsid(0),
+        "cwd": os.getcwd(),
+        "marker": os.environ.get("FORKER_TEST_MARKER"),
+        "inherited": os.environ.get("FORKER_TEST_ONLY_IN_FORKER"),
+        "argv": sys.argv[1:],
+        "torch_preloaded": "torch" in sys.modules,
+        "stdin": sys.stdin.read(),
+        "draw": float(numpy.random.rand()),
+    }
+    print(json.dumps(report), flush=True)
+    if sys.argv[1:] == ["sleep"]:
+        time.sleep(120)
+    return int(sys.argv[1]) if len(sys.argv) > 1 else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
