@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: ``to_local()`` of a DTensor, the tensor itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The tensor this rank stores (a DTensor's local shard, a plain tensor itself).
+
+    Read without autograd: ``to_local()`` goes through an autograd function on every call,
+    which is most of a probe's cost for a model of a few hundred parameters.
+    """
+    if isinstance(tensor, DTensor):
+        local = getattr(tensor, "_local_tensor", None)  # what to_local() returns, unwrapped
+        return local.detach() if local is not None else tensor.to_local().detach()
+    return tensor.detach()
 
 
 def world() -> tuple[int, int]:
@@ -42,13 +51,17 @@ def replication(tensor: torch.Tensor) -> int:
     since every rank holds all of it.
     """
     if isinstance(tensor, DTensor):
-        mesh_shape = tensor.device_mesh.shape
-        return math.prod(
-            size
-            for size, placement in zip(mesh_shape, tensor.placements, strict=True)
-            if placement.is_replicate()
-        )
+        return _replicated_copies(tensor.device_mesh, tensor.placements)
     return world()[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _replicated_copies(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> int:
+    return math.prod(
+        size
+        for size, placement in zip(mesh.shape, placements, strict=True)
+        if placement.is_replicate()
+    )
 
 
 def local_shape_and_offset(

@@ -24,62 +24,89 @@ def _check_norm_type(norm_type: float) -> float:
     return norm_type
 
 
-def reduce_grad_stats(
-    model: nn.Module, norm_type: float
-) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+GradStats = tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def reduce_grad_stats(model: nn.Module, norm_type: float) -> GradStats:
     """Per parameter: (names, norm, nan count, inf count, has-grad flag) over the full grads.
 
-    One all-reduce (two for ``norm_type=inf``) over the default group; every rank of it must
-    call.  Each rank contributes its local shard's ``sum |g|^p`` divided by how many ranks
-    hold the same piece, so replicated pieces count once.  Parameters without a gradient on
-    every rank get norm 0 and has-grad 0.  Accumulates in float64 on the group's
-    communication device (CUDA for an NCCL group, else CPU); returns CPU tensors.
+    One all-gather of a few numbers per parameter over the default group; every rank of it
+    must call.  Each rank contributes its local shard's ``sum |g|^p`` (``max |g|`` for
+    ``norm_type=inf``) divided by how many ranks hold the same piece, so replicated pieces
+    count once; every rank then combines the gathered rows in rank order, so all ranks get
+    bit-identical results.  Parameters without a gradient on every rank get norm 0 and
+    has-grad 0.  Returns float64 CPU tensors.
+
+    Precision: each shard's norm is taken in float32 (as ``clip_grad_norm_`` takes it) and
+    combined in float64; a shard whose float32 norm is not finite is measured again in
+    float64, so an overflow of float32 is not reported as an infinite gradient, and NaN/Inf
+    elements are counted only in such shards.  An all-gather rather than an all-reduce:
+    for a few hundred bytes it needs half the message rounds (gloo's all-reduce is a
+    reduce-scatter plus an all-gather).
     """
-    device = comm_device()
-    f64 = {"dtype": torch.float64, "device": device}
+    names, row = local_grad_row(model, norm_type)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return combine_grad_rows(names, row.unsqueeze(0), norm_type)
+    row = row.to(comm_device())
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return combine_grad_rows(names, torch.stack(rows).cpu(), norm_type)
+
+
+def local_grad_row(model: nn.Module, norm_type: float) -> tuple[list[str], torch.Tensor]:
+    """This rank's contribution to :func:`reduce_grad_stats`: parameter names and one row.
+
+    The row (float64, CPU) holds per parameter the shard's power sum (or max for inf) and
+    then (NaN count, Inf count, has-grad weight), each divided by the shard's copies.
+    """
     names: list[str] = []
     counts: list[list[float]] = []  # per parameter: NaN count, Inf count, has-grad weight
     shards: list[tuple[int, torch.Tensor, int]] = []  # (index, local shard, copies)
     for fqn, param in named_parameters(model):
         names.append(fqn)
         counts.append([0.0, 0.0, 0.0])
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             continue
-        copies = replication(param.grad)
+        copies = replication(grad)
         counts[-1][2] = 1.0 / copies
-        local = local_tensor(param.grad).detach()
+        local = local_tensor(grad)
         if local.numel():
             shards.append((len(names) - 1, local, copies))
-    n = len(names)
-    power_vec = torch.zeros(n, **f64)
+    power_vec = torch.zeros(len(names), dtype=torch.float64)
     if shards:
-        # One fused pass over all shards, accumulated in float64; NaN/Inf are counted
-        # only for the shards whose norm is not finite.
-        indices = torch.tensor([index for index, _, _ in shards], device=device)
-        copies = torch.tensor([c for _, _, c in shards], **f64)
-        norms = torch.stack(
-            torch._foreach_norm([t for _, t, _ in shards], norm_type, dtype=torch.float64)
-        ).to(device)
+        norms = _shard_norms([t for _, t, _ in shards], norm_type)
+        indices = torch.tensor([index for index, _, _ in shards])
+        copies = torch.tensor([c for _, _, c in shards], dtype=torch.float64)
         power_vec[indices] = norms if math.isinf(norm_type) else norms.pow(norm_type) / copies
         for (index, local, c), finite in zip(shards, norms.isfinite().tolist(), strict=True):
             if not finite:
                 counts[index][0] = local.isnan().sum().item() / c
                 counts[index][1] = local.isinf().sum().item() / c
-    count_vec = torch.tensor(counts, **f64).reshape(-1)
-    distributed = dist.is_available() and dist.is_initialized()
+    return names, torch.cat([power_vec, torch.tensor(counts, dtype=torch.float64).reshape(-1)])
+
+
+def combine_grad_rows(names: list[str], rows: torch.Tensor, norm_type: float) -> GradStats:
+    """:func:`reduce_grad_stats`'s result from every rank's row (``rows``: one per rank)."""
+    n = len(names)
     if math.isinf(norm_type):
-        if distributed:
-            dist.all_reduce(power_vec, op=dist.ReduceOp.MAX)
-            dist.all_reduce(count_vec)
-        norms = power_vec
+        norms = rows[:, :n].amax(0)
     else:
-        if distributed:
-            both = torch.cat([power_vec, count_vec])
-            dist.all_reduce(both)
-            power_vec, count_vec = both[:n], both[n:]
-        norms = power_vec.clamp_min(0).pow(1.0 / norm_type)
-    count_vec = count_vec.reshape(n, 3).round().cpu()
-    return names, norms.cpu(), count_vec[:, 0], count_vec[:, 1], count_vec[:, 2] > 0
+        norms = rows[:, :n].sum(0).clamp_min(0).pow(1.0 / norm_type)
+    counts = rows[:, n:].sum(0).reshape(n, 3).round()
+    return names, norms, counts[:, 0], counts[:, 1], counts[:, 2] > 0
+
+
+def _shard_norms(shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """float64 norms of ``shards``: float32 passes, float64 again where not finite."""
+    low = [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in shards]
+    cpu64 = {"dtype": torch.float64, "device": "cpu"}
+    norms = torch.stack(torch._foreach_norm(low, norm_type)).to(**cpu64)
+    if not bool(norms.isfinite().all()):
+        redo = [i for i, ok in enumerate(norms.isfinite().tolist()) if not ok]
+        exact = torch._foreach_norm([shards[i] for i in redo], norm_type, dtype=torch.float64)
+        norms[torch.tensor(redo)] = torch.stack(exact).to(**cpu64)
+    return norms
 
 
 def _combine(norms: list[float], norm_type: float) -> float:

@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive.inspect._dtensor import world
-from fsdp_interactive.inspect._grad_norms import _check_norm_type, module_norms, reduce_grad_stats
+from fsdp_interactive.inspect._grad_norms import (
+    GradStats,
+    _check_norm_type,
+    combine_grad_rows,
+    local_grad_row,
+    module_norms,
+    reduce_grad_stats,
+)
 from fsdp_interactive.inspect._records import GradNormRecord, record_to_json
 
 
@@ -20,9 +29,16 @@ class GradNormRecorder:
 
     Use it either as a callback, ``recorder.record()`` after ``backward()`` and before
     ``optimizer.step()``, or as a hook, ``recorder.attach(optimizer)``, which records just
-    before every ``optimizer.step()``.  Each record costs one small all-reduce over the
-    default group (a few numbers per parameter; two all-reduces for ``norm_type=inf``), so
-    every rank must record the same steps.  Gradients are only read.
+    before every ``optimizer.step()``.  Each record costs one small all-gather (a few numbers
+    per parameter), so every rank must record the same steps.  Gradients are only read.
+
+    Attached, the all-gather runs in the background on a gloo group of the recorder's own
+    (created once per process group, collectively, by the first ``attach``) while the step
+    goes on: the gradients are read before ``step()``, as with ``record()``, but the step
+    does not wait for the other ranks' numbers.  The record is complete as soon as they
+    have arrived; ``history()``, ``len()``, ``flush()``, ``record()`` and ``detach()`` wait
+    for it, so what they return is the same as without overlap.  ``overlap=False`` makes
+    the attached recorder gather in the step, as ``record()`` does.
 
     ``modules_depth`` selects which module norms are kept per step (1 = top-level
     children).  ``history(since=k)`` returns the records from index ``k`` on; ``max_records``
@@ -56,10 +72,59 @@ class GradNormRecorder:
         self._dropped = 0
         self._step = 0
         self._handle: Any = None
+        self._group: dist.ProcessGroup | None = None
+        self._pending: torch.futures.Future | None = None
+        self._lock = threading.Lock()
 
     def record(self, step: int | None = None) -> GradNormRecord:
         """Reduce the current gradients' norms and append one record (a collective)."""
-        names, norms, nans, infs, has_grad = reduce_grad_stats(self.model, self.norm_type)
+        self.flush()
+        stats = reduce_grad_stats(self.model, self.norm_type)
+        return self._append(stats, self._next_step(step))
+
+    def flush(self) -> None:
+        """Wait until the record of the last attached step is complete (and logged)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def attach(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> GradNormRecorder:
+        """Record automatically before every ``optimizer.step()``; ``detach()`` undoes it.
+
+        A collective when ``overlap`` is set and the recorder has no group yet (see the
+        class docstring): every rank must attach.
+        """
+        self.detach()
+        if overlap:
+            self._group = _overlap_group()
+        else:
+            self._group = None
+        self._handle = optimizer.register_step_pre_hook(self._before_step)
+        return self
+
+    def _before_step(self, *_: object) -> None:
+        if self._group is None:
+            self.record()
+            return
+        self.flush()
+        step = self._next_step(None)
+        names, row = local_grad_row(self.model, self.norm_type)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self._group))]
+        work = dist.all_gather(rows, row, group=self._group, async_op=True)
+
+        def complete(_: torch.futures.Future) -> None:
+            stats = combine_grad_rows(names, torch.stack(rows), self.norm_type)
+            self._append(stats, step)
+
+        self._pending = work.get_future().then(complete)
+
+    def _next_step(self, step: int | None) -> int:
+        value = self._step if step is None else int(step)
+        self._step = value + 1
+        return value
+
+    def _append(self, stats: GradStats, step: int) -> GradNormRecord:
+        names, norms, nans, infs, has_grad = stats
         kept = [i for i in range(len(names)) if bool(has_grad[i])]
         per_module = module_norms(
             [names[i] for i in kept], [float(norms[i]) for i in kept], self.norm_type
@@ -77,46 +142,57 @@ class GradNormRecorder:
             if name and name.count(".") < self.modules_depth
         }
         record = GradNormRecord(
-            step=self._step if step is None else int(step),
-            total=total,
-            modules=shown,
-            nan_count=nan_count,
-            inf_count=inf_count,
+            step=step, total=total, modules=shown, nan_count=nan_count, inf_count=inf_count
         )
-        self._step = record.step + 1
-        self._records.append(record)
-        if len(self._records) > self.max_records:
-            overflow = len(self._records) - self.max_records
-            del self._records[:overflow]
-            self._dropped += overflow
+        with self._lock:
+            self._records.append(record)
+            if len(self._records) > self.max_records:
+                overflow = len(self._records) - self.max_records
+                del self._records[:overflow]
+                self._dropped += overflow
         if self.log_path is not None and world()[0] == 0:
             with open(self.log_path, "a", encoding="utf-8") as log:
                 log.write(json.dumps(record_to_json(record)) + "\n")
         return record
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> GradNormRecorder:
-        """Record automatically before every ``optimizer.step()``; ``detach()`` undoes it."""
-        self.detach()
-        self._handle = optimizer.register_step_pre_hook(self._before_step)
-        return self
-
-    def _before_step(self, *_: object) -> None:
-        self.record()
-
     def detach(self) -> None:
+        """Stop recording (after completing the last attached step's record)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self.flush()
 
     def history(self, since: int = 0) -> list[GradNormRecord]:
         """Records with index >= ``since`` (indices count every record ever made)."""
-        start = max(0, since - self._dropped)
-        return list(self._records[start:])
+        self.flush()
+        with self._lock:
+            start = max(0, since - self._dropped)
+            return list(self._records[start:])
 
     def __len__(self) -> int:
+        self.flush()
         return self._dropped + len(self._records)
 
     def clear(self) -> None:
-        self._records.clear()
-        self._dropped = 0
-        self._step = 0
+        self.flush()
+        with self._lock:
+            self._records.clear()
+            self._dropped = 0
+            self._step = 0
+
+
+_overlap: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+
+
+def _overlap_group() -> dist.ProcessGroup | None:
+    """A gloo group for the recorders' background all-gathers (``None``: one process).
+
+    Created once per default process group, collectively; kept for the group's lifetime.
+    """
+    global _overlap
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _overlap is None or _overlap[0] is not default:
+        _overlap = (default, dist.new_group(backend="gloo"))
+    return _overlap[1]

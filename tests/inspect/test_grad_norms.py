@@ -110,3 +110,47 @@ def test_recorder_validates_arguments():
         GradNormRecorder(object())
     with pytest.raises(ValueError, match="modules_depth"):
         GradNormRecorder(torch.nn.Linear(2, 2), modules_depth=-1)
+
+
+def _huge_but_finite_gradient():
+    model, reference = sharded_and_reference()
+    backward(model)
+    backward(reference)
+    for m in (model, reference):
+        grad = m.block[0].weight.grad
+        (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(1e30)
+    expected = float(
+        torch.linalg.vector_norm(reference.block[0].weight.grad.double(), dtype=torch.float64)
+    )
+    return grad_norms(model), expected
+
+
+def test_a_norm_that_overflows_float32_is_measured_in_float64(ranks2):
+    # 1e30 squared overflows float32: a float32-only probe would report inf
+    for probe, expected in ranks2.run(_huge_but_finite_gradient):
+        assert probe.params["block.0.weight"] == pytest.approx(expected, rel=RTOL)
+        assert math.isfinite(probe.total) and not probe.has_nonfinite
+
+
+def _overlapped_and_in_step_recorders(steps):
+    model, _ = sharded_and_reference()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    background = GradNormRecorder(model).attach(optim)  # overlap=True, the default
+    in_step = GradNormRecorder(model).attach(optim, overlap=False)
+    for step in range(steps):
+        optim.zero_grad()
+        backward(model, seed=20 + step)
+        if step == 2 and dist.get_rank() == 1:
+            model.block[0].weight.grad.to_local()[0, 0] = float("nan")
+        optim.step()
+    return background.history(), in_step.history(), len(background)
+
+
+def test_an_overlapped_recorder_records_exactly_what_an_in_step_one_does(ranks2):
+    for background, in_step, count in ranks2.run(_overlapped_and_in_step_recorders, 4):
+        assert count == 4
+        assert [r.step for r in background] == [0, 1, 2, 3]
+        assert [r.modules for r in background[:2]] == [r.modules for r in in_step[:2]]
+        assert [r.total for r in background[:2]] == [r.total for r in in_step[:2]]
+        assert background[2].nan_count == in_step[2].nan_count == 1
+        assert math.isnan(background[2].total)
