@@ -6,6 +6,12 @@ contenders live in the same rank processes and are timed alternately, step block
 step block, so machine noise hits them alike.  A sample is ``steps`` optimizer steps
 between two barriers, timed on rank 0, reported as steps/s.
 
+A third case repeats fp32 with ``AdamW(foreach=True)`` for every contender.  On CPU,
+torch's optimizers default to their per-parameter loop (the multi-tensor ``foreach``
+path is the default only on accelerators), and with fully_shard every parameter is a
+DTensor, so each of the loop's tensor operations is one DTensor dispatch; ``foreach``
+makes that one dispatch per operation for all parameters, as it is by default on GPUs.
+
 Targets: ours >= 1.0x FSDP1 and >= 0.97x fully_shard.
 """
 
@@ -19,7 +25,12 @@ from bench.models import WRAPPERS, ModelSize, batch_for, build_model, train_step
 from bench.ranks import run_on_ranks
 from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main
 
-DTYPES = ("fp32", "bf16")
+# case name -> (dtype name, AdamW keyword arguments)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp32": ("fp32", {}),
+    "bf16": ("bf16", {}),
+    "fp32, AdamW(foreach=True)": ("fp32", {"foreach": True}),
+}
 LABELS = {
     "ours": "FullyShardedDataParallel (ours)",
     "fsdp1": "torch FSDP1 (device_id=cpu)",
@@ -36,19 +47,19 @@ def model_size(settings: Settings) -> ModelSize:
 def _rank_train(
     contenders: list[str], size: ModelSize, steps: int, reps: int, warmup: int
 ) -> dict[str, dict[str, Any]]:
-    """Per dtype: steps/s samples of every contender and its first-step loss (rank 0)."""
+    """Per case: steps/s samples of every contender and its first-step loss (rank 0)."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     batch = batch_for(size, rank)
     out = {}
-    for dtype_name in DTYPES:
+    for case, (dtype_name, optim_kwargs) in CASES.items():
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
         setups = {}
         for name in contenders:
             model = WRAPPERS[name](build_model(size), dtype)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3, **optim_kwargs)
             setups[name] = (model, optim)
 
         def block(name: str, setups: dict[str, Any] = setups) -> float:
@@ -68,7 +79,7 @@ def _rank_train(
         for _ in range(reps):
             for name in contenders:
                 rates[name].append(block(name))
-        out[dtype_name] = {"rates": rates, "first_loss": first_loss}
+        out[case] = {"rates": rates, "first_loss": first_loss}
         del setups
     return out
 
@@ -89,9 +100,9 @@ def run(settings: Settings) -> FigureResult:
         per_dtype = run_on_ranks(
             world, _rank_train, contenders, size, steps, settings.reps, settings.warmup
         )[0]
-        for dtype_name in DTYPES:
-            case = f"{world} ranks, {dtype_name}"
-            out = per_dtype[dtype_name]
+        for case_name in CASES:
+            case = f"{world} ranks, {case_name}"
+            out = per_dtype[case_name]
             stats = {name: Stat(rates, "steps/s") for name, rates in out["rates"].items()}
             for name, stat in stats.items():
                 result.measurements[f"{case}: {LABELS[name]}"] = stat

@@ -9,7 +9,9 @@ Each FSDP unit runs, in order, just before ``fully_shard`` shards it:
    ``m.to_empty(device, recurse=False)`` + ``m.reset_parameters()`` for every owned module
    that directly holds states. Because units are built bottom-up and sharded right after this
    step, a meta-device model is never whole on one rank: the peak is the sharded rest plus
-   one unit's full parameters.
+   one unit's full parameters. Once the unit is sharded, :func:`release_freed_memory`
+   hands the freed full tensors' pages back to the OS (glibc keeps freed heap memory
+   otherwise, so each unit's full copy would add to the process's resident size).
 3. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
    buffers are broadcast from the mesh's first rank (coalesced per dtype, sent on the mesh's
    device, so CPU-resident modules work with NCCL too).
@@ -21,6 +23,9 @@ buffers it manages; ignored modules are moved by the constructor when ``device_i
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -148,6 +153,31 @@ def materialize(
             "param_init_fn left parameters or buffers on the meta device in "
             f"{sorted(set(still_meta))}; it must materialize the module it is given"
         )
+
+
+def release_freed_memory() -> bool:
+    """Return freed heap pages to the OS (glibc's ``malloc_trim(0)``); whether it ran.
+
+    A no-op (``False``) where the C library has no ``malloc_trim`` (not glibc).
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 @torch.no_grad()

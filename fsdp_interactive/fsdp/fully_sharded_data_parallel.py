@@ -230,7 +230,8 @@ class FullyShardedDataParallel(nn.Module):
         self._buffer_original_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
 
         owned = _init.unit_modules(module, is_unit, ignored.modules)
-        if _init.has_meta_states(owned, ignored.params):
+        materialized = _init.has_meta_states(owned, ignored.params)
+        if materialized:
             _init.materialize(owned, config.param_init_fn, config.device, ignored.params)
         if config.sync_module_states:
             _init.broadcast_from_rank0(owned, ignored.params, config.layout.mesh)
@@ -244,6 +245,8 @@ class FullyShardedDataParallel(nn.Module):
             offload_policy=config.offload_policy,
             ignored_params=ignored_here or None,
         )
+        if materialized:
+            _init.release_freed_memory()  # the unit's full tensors, now sharded
         if config.backward_prefetch is None:
             # An explicit list disables fully_shard's implicit next-unit prefetch; prefetching
             # the unit itself is a no-op (it is already unsharded when its backward starts).
