@@ -87,8 +87,8 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, outp
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    # The forker ignores SIGINT; every other disposition is still the interpreter's own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -368,7 +368,7 @@ class Pool:
         def finish(_: list[Any]) -> RunResult:
             result = RunResult(ranks=ranks, elapsed=time.monotonic() - started)
             for rank, handle in handles.items():
-                metadata = handle.metadata
+                metadata = _metadata(handle)
                 result.stdout[rank] = metadata["stdout"]
                 result.stderr[rank] = metadata["stderr"]
                 execute_result = metadata.get("execute_result") or {}
@@ -745,7 +745,7 @@ class Pool:
             if sink is None:
                 return
             for rank, handle in handles.items():
-                metadata = handle.metadata
+                metadata = _metadata(handle)
                 for name in ("stdout", "stderr"):
                     text = metadata[name]
                     seen = offsets.get((rank, name), 0)
@@ -1130,6 +1130,19 @@ def _pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _metadata(handle: Any) -> dict[str, Any]:
+    """A single-engine AsyncResult's metadata dict, as received.
+
+    ``AsyncResult.metadata`` parses every timestamp field with dateutil on each access
+    until all have arrived, which was most of the pool's own cost per no-op round trip;
+    only the output fields are read here, so the received dict is used as it is.
+    """
+    received = getattr(handle, "_metadata", None)
+    if isinstance(received, list) and len(received) == 1 and isinstance(received[0], dict):
+        return received[0]
+    return handle.metadata
 
 
 def _size(path: str) -> int:

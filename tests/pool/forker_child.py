@@ -2,7 +2,7 @@
 
 ``python -m tests.pool.forker_child CODE`` prints one JSON line (pid, session, working
 directory, one environment variable, argv, whether torch is already imported, what stdin
-holds, a numpy random draw) and exits with status ``CODE``; ``sleep`` instead of a code
+holds, a numpy random draw, signal dispositions) and exits with status ``CODE``; ``sleep`` instead of a code
 waits to be killed.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +28,8 @@ def main() -> int:
         "torch_preloaded": "torch" in sys.modules,
         "stdin": sys.stdin.read(),
         "draw": float(numpy.random.rand()),
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
     }
     print(json.dumps(report), flush=True)
     if sys.argv[1:] == ["sleep"]:

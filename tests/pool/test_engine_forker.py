@@ -74,6 +74,8 @@ def test_a_forked_child_runs_the_module_like_a_fresh_process(forker, tmp_path):
     assert report["marker"] == "marker-child.log"
     assert report["inherited"] is None
     assert report["torch_preloaded"] is True
+    # signal dispositions of a fresh interpreter: Ctrl-C raises, SIGPIPE is ignored
+    assert report["sigint_raises"] and report["sigpipe_ignored"]
 
 
 def test_a_child_killed_by_a_signal_reports_the_negative_signal(forker, tmp_path):
