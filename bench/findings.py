@@ -59,14 +59,15 @@ _DISPATCH_RAW = (
 )
 
 _DISPATCH_RELAUNCH = (
-    "the ratio is set by how long torchrun takes on the machine at the time (5-10 s here "
+    "the ratio is set by how long torchrun takes on the machine at the time (4-10 s here "
     "for a script that only joins the group) and by the engines' round trip, which on 2 "
-    "shared cores is mostly waiting to be scheduled. Raw ipyparallel's round trip, the floor "
-    "under ours, was itself 437x faster than a relaunch at 4 ranks in the dispatch run of "
-    "2026-12-02 18:40 UTC (9.6 s against 22 ms), so no contender can reach 500x there on "
-    "this machine; ours adds 2-3 ms to it (see the raw-ipyparallel rows). A real training "
-    "script also rebuilds its model and data on every relaunch, which this trivial script "
-    "does not."
+    "shared cores is mostly waiting to be scheduled. Raw ipyparallel's round trip is the "
+    "floor under ours: in the full run of 2026-12-02 19:02 UTC it was 523x faster than a "
+    "relaunch at 2 ranks (6.28 s against 12.0 ms), so the 1.7 ms a `%%fsdp` cell adds "
+    "(IPython's cell machinery and the pool's own work, see the raw-ipyparallel rows) "
+    "brings it below 500x; in a dispatch run an hour earlier raw ipyparallel itself was "
+    "only 437x at 4 ranks (9.6 s against 22 ms). A real training script also rebuilds "
+    "its model and data on every relaunch, which this trivial script does not."
 )
 
 _TRAIN_VS_FSDP1 = (
