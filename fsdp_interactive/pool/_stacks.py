@@ -53,6 +53,8 @@ def user_stack(dump: str, thread_id: int | None) -> list[Frame]:
 
 _FRAMEWORK_PATH = re.compile(
     r"([/\\](IPython|ipykernel|ipyparallel|tornado|traitlets|zmq|asyncio)[/\\])|^<frozen "
+    # how a local engine was started: forked by the pool's forker, run as `python -m`
+    r"|([/\\]pool[/\\]_engine_(forker|entry)\.py$)|([/\\]runpy\.py$)"
 )
 _WRAPPER_FILES = ("c10d_logger.py",)
 

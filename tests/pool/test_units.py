@@ -79,6 +79,27 @@ def test_stack_of_the_user_thread_without_engine_machinery():
     assert describe(frames) == "in barrier (distributed_c10d.py:4800)"
 
 
+FORKED_ENGINE_DUMP = """\
+Current thread 0x00007f0000000003 (most recent call first):
+  File "/tmp/ipykernel_77/124.py", line 2 in <module>
+  File "/x/site-packages/IPython/core/interactiveshell.py", line 3577 in run_code
+  File "/x/site-packages/ipyparallel/engine/app.py", line 1020 in launch_instance
+  File "/x/site-packages/fsdp_interactive/pool/_engine_entry.py", line 120 in main
+  File "/x/site-packages/fsdp_interactive/pool/_engine_entry.py", line 128 in <module>
+  File "/usr/lib/python3.11/runpy.py", line 88 in _run_code
+  File "/usr/lib/python3.11/runpy.py", line 226 in run_module
+  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 110 in _run_child
+  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 140 in _fork
+  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 180 in serve
+  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 197 in main
+"""
+
+
+def test_a_forked_engines_stack_hides_how_the_engine_was_started():
+    frames = user_stack(FORKED_ENGINE_DUMP, thread_id=None)
+    assert [f.function for f in frames] == ["<module>"]
+
+
 def test_stack_summary_quotes_the_cell_line():
     dump = (
         "Current thread 0x00000000000000aa (most recent call first):\n"
