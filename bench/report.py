@@ -297,7 +297,9 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
     add(
         "- CUDA/NCCL figures: this machine has no GPU, so every figure above uses CPU ranks "
         "with gloo. On a GPU machine the same command measures the same contenders on CPU "
-        "ranks; a CUDA/NCCL section is not produced yet."
+        "ranks; a CUDA/NCCL section is not produced yet. Comparing sharded training needs "
+        "at least two GPUs on one host: NCCL refuses two ranks on one device, and at world "
+        "size 1 torch's FSDP1 switches FULL_SHARD to NO_SHARD."
     )
     add(
         "- The `%%fsdp` round trip is measured in a real IPython shell inside the benchmark "
