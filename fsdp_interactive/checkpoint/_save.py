@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive.checkpoint import _layout, _manifest, _state
 from fsdp_interactive.checkpoint._collective import Ranks, single_process_quietly
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord, Manifest
@@ -105,7 +105,6 @@ class SaveHandle:
 
 _inflight_lock = threading.Lock()
 _inflight: SaveHandle | None = None
-_side_group: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
 def _wait_for_inflight(if_busy: IfBusy, ranks: Ranks) -> None:
@@ -129,17 +128,6 @@ def _wait_for_inflight(if_busy: IfBusy, ranks: Ranks) -> None:
         return
     if running is not None:
         running._done.wait()
-
-
-def _checkpoint_group() -> dist.ProcessGroup | None:
-    """A gloo group reserved for background checkpoint traffic (created once, collectively)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    global _side_group
-    default = dist.distributed_c10d._get_default_group()
-    if _side_group is None or _side_group[0] is not default:
-        _side_group = (default, dist.new_group(backend="gloo"))
-    return _side_group[1]
 
 
 def _resolve_step(step: int | None, extra: Mapping[str, Any] | None) -> int | None:
@@ -334,7 +322,7 @@ def async_save(
     started = time.monotonic()
     final, partial, extra_json, step = _prepare(path, keep_last, overwrite, extra, step, ranks)
     state = _capture(model, optimizer)
-    group = _checkpoint_group()
+    group = background_gloo_group("checkpoint")
     side_ranks = Ranks(group)
     handle = SaveHandle(final)
     stager = _copying_stager()

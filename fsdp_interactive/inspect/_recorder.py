@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive.inspect._dtensor import world
 from fsdp_interactive.inspect._grad_norms import (
     GradStats,
@@ -91,14 +92,12 @@ class GradNormRecorder:
     def attach(self, optimizer: torch.optim.Optimizer, overlap: bool = True) -> GradNormRecorder:
         """Record automatically before every ``optimizer.step()``; ``detach()`` undoes it.
 
-        A collective when ``overlap`` is set and the recorder has no group yet (see the
-        class docstring): every rank must attach.
+        With ``overlap``, the first attach under a process group creates the recorders'
+        gloo group, a collective (see the class docstring): every rank must attach.
         """
         self.detach()
-        if overlap:
-            self._group = _overlap_group()
-        else:
-            self._group = None
+        alone = world()[1] == 1
+        self._group = None if alone or not overlap else background_gloo_group("grad-norms")
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         return self
 
@@ -179,20 +178,3 @@ class GradNormRecorder:
             self._records.clear()
             self._dropped = 0
             self._step = 0
-
-
-_overlap: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
-
-
-def _overlap_group() -> dist.ProcessGroup | None:
-    """A gloo group for the recorders' background all-gathers (``None``: one process).
-
-    Created once per default process group, collectively; kept for the group's lifetime.
-    """
-    global _overlap
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    default = dist.distributed_c10d._get_default_group()
-    if _overlap is None or _overlap[0] is not default:
-        _overlap = (default, dist.new_group(backend="gloo"))
-    return _overlap[1]

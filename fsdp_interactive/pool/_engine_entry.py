@@ -74,7 +74,7 @@ def engine_command(connection_file: str, wait_s: float) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_interactive.pool._engine_entry",
-        description="Import torch while waiting for the controller, then run an engine.",
+        description="Wait for the controller's connection file, then run an engine.",
     )
     parser.add_argument("--connection-file", required=True, help="the controller's engine file")
     parser.add_argument("--wait", type=float, required=True, help="seconds to wait for it")

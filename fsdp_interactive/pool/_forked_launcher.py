@@ -1,11 +1,11 @@
 """ipyparallel engine launchers whose engines are forked from a process that has torch.
 
 :class:`ForkedEngineSetLauncher` is a drop-in for ipyparallel's ``LocalEngineSetLauncher``
-(``Cluster(engine_launcher_class=ForkedEngineSetLauncher)``): same engine command, log
-files, signals and stop sequence, but each engine is forked by one
-:mod:`._engine_forker` process per engine set instead of being started from scratch.
-Importing torch (seconds of CPU per process) then happens once per engine set, while the
-controller starts, instead of once per engine after it.
+(``Cluster(engine_launcher_class=ForkedEngineSetLauncher)``, given ``forker=``): same
+engine command, log files, signals and stop sequence, but each engine is forked by one
+:mod:`._engine_forker` process instead of being started from scratch. Importing torch
+(seconds of CPU per process) then happens once, while the controller starts, instead of
+once per engine after it.
 
 Contract, as for ipyparallel's local launchers:
 
@@ -15,7 +15,8 @@ Contract, as for ipyparallel's local launchers:
   (negative: killed by that signal), reported by the forker, which is the engines'
   parent. Should the forker itself die, engines still running are watched through
   their pids instead and their exit codes are then unknown (``None``);
-* stopping the set stops the engines first, then the forker (by its handle).
+* stopping the set stops its engines; the forker is ended by whoever started it
+  (:meth:`EngineForker.close`).
 
 Linux only (``os.fork`` and ``os.pidfd_open``); :func:`forking_supported` says whether
 this interpreter can use it.
@@ -240,14 +241,13 @@ class ForkedEngineLauncher(LocalEngineLauncher):
 class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     """ipyparallel's local engine set, with engines forked from one warmed-up process.
 
-    ``forker``: a running :class:`EngineForker` to fork from, which whoever passed it
-    keeps and ends (the pool keeps one across restarts); without one, the set starts its
-    own and ends it when it stops.
+    ``forker``: the running :class:`EngineForker` to fork from. Whoever passes it keeps
+    and ends it (the pool keeps one across restarts); stopping the set stops its engines
+    only.
     """
 
     launcher_class = ForkedEngineLauncher
     forker = Instance(EngineForker, allow_none=True)
-    _owns_forker = False
 
     @property
     def forker_pid(self) -> int | None:
@@ -255,15 +255,11 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     async def start(self, n: int) -> list[int]:  # type: ignore[override]
         """Start ``n`` engines; their pids."""
+        if self.forker is None or not self.forker.running():
+            raise ForkerError("ForkedEngineSetLauncher needs forker=<a running EngineForker>")
         self.n = n
         log_dir = os.path.join(self.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
-        if self.forker is None or not self.forker.running():
-            env = os.environ.copy()
-            env.update(self.get_env())
-            name = f"ipengine-forker-{self.cluster_id}-{self.engine_set_id}.log"
-            self.forker = EngineForker(os.path.join(log_dir, name), env)
-            self._owns_forker = True
         engines = []
         for i in range(n):
             identifier = str(i)
@@ -286,12 +282,3 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
         pids = list(await asyncio.gather(*(e.start_forked(self.forker) for e in engines)))
         self.notify_start(pids)
         return pids
-
-    async def stop(self) -> None:
-        """Stop the engines (SIGTERM, then SIGKILL), then the forker if the set started it."""
-        try:
-            await super().stop()
-        finally:
-            if self.forker is not None and self._owns_forker:
-                forker = self.forker
-                await asyncio.get_running_loop().run_in_executor(None, forker.close)

@@ -7,6 +7,8 @@ the shared pool is stopped and every recorded process must be gone.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,18 @@ def wait_gone(pids: dict[int, float], timeout: float = 20.0) -> list[int]:
     while alive(pids) and time.monotonic() < end:
         time.sleep(0.1)
     return alive(pids)
+
+
+def run_script(source: str, *args: str, timeout: float = 300) -> str:
+    """Run ``source`` in a fresh interpreter (``python -c``) with ``args``; its stdout.
+
+    Fails the test, with the script's stderr, unless it exits with status 0.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", source, *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from fsdp_interactive.pool._reaper import end_processes
-from tests.pool.conftest import wait_gone
+from tests.pool.conftest import run_script, wait_gone
 
 SCRIPT = """
 import json, sys
@@ -20,14 +20,8 @@ print(json.dumps(pool.launched_pids))
 
 
 def test_interpreter_exit_stops_a_running_pool(profile_dir):
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, profile_dir],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    launched = {int(pid): created for pid, created in json.loads(result.stdout).items()}
+    output = run_script(SCRIPT, profile_dir)
+    launched = {int(pid): created for pid, created in json.loads(output).items()}
     assert len(launched) >= 3  # controller, engine, nanny
     assert wait_gone(launched) == []
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import psutil
 
 from fsdp_interactive.pool import Pool
-from tests.pool.conftest import record, wait_gone
+from tests.pool.conftest import record, run_script, wait_gone
 
 
 def _engine_parents(pool: Pool) -> set[int]:
@@ -50,12 +48,6 @@ print(json.dumps({"torch_in_kernel": "torch" in sys.modules, "sizes": sizes}))
 
 def test_the_calling_process_never_imports_torch(profile_dir):
     """Start, run, call and restart leave torch out of the notebook side's process."""
-    result = subprocess.run(
-        [sys.executable, "-c", KERNEL_SCRIPT, profile_dir],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    output = run_script(KERNEL_SCRIPT, profile_dir)
+    report = json.loads(output.strip().splitlines()[-1])
     assert report == {"torch_in_kernel": False, "sizes": [2, 2]}
