@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 STEPS = 2
 
@@ -39,7 +40,7 @@ def train_with_hook(strategy: str, hook_name: str) -> tuple[list[float], float, 
     model = FSDP(
         C.make_model(0),
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=True,
     )
     group = dist.distributed_c10d._get_default_group()
@@ -106,7 +107,7 @@ def comm_hook_errors() -> None:
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     state = default_hooks.DefaultState(dist.distributed_c10d._get_default_group())
-    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(RuntimeError, match="root"):
         model.blocks[0].register_comm_hook(state, default_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="callable"):
