@@ -17,7 +17,6 @@ changes the numbers those references produce, so each model stays as its tests e
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 from torch import nn
@@ -130,11 +129,9 @@ def wrapped_and_reference(seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
     torch.manual_seed(seed)
     reference = Tiny()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        model = FullyShardedDataParallel(
-            copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential})
-        )
+    model = FullyShardedDataParallel(
+        copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential})
+    )
     return model, reference
 
 

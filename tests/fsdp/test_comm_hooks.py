@@ -34,6 +34,7 @@ def train_with_hook(strategy: str, hook_name: str) -> tuple[list[float], float, 
 
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
     from fsdp_interactive.fsdp import ShardingStrategy
+    from fsdp_interactive.fsdp._traversal import unit_states
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,7 +69,7 @@ def train_with_hook(strategy: str, hook_name: str) -> tuple[list[float], float, 
     ref = C.train_reference(STEPS, world)
     diff = C.max_param_diff(C.full_params(model), ref.params)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref.losses, strict=True))
-    runners = [unit._comm_hook_runner for unit in FSDP.fsdp_modules(model)]
+    runners = [unit.comm_hook_runner for unit in unit_states(model)]
     runner_calls = sum(r.calls for r in runners)
     kinds = {type(r).__name__ for r in runners}
     if isinstance(hook, CountingHook):

@@ -361,7 +361,6 @@ def mixed_precision_inputs_and_buffers() -> None:
     )
     assert out.dtype == torch.bfloat16
     assert model.module.scale.dtype == torch.bfloat16
-    assert model.buffer_original_dtypes() == {"scale": torch.float32}
     no_cast = FSDP(
         RecordsInputDtype(),
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False),
@@ -371,9 +370,9 @@ def mixed_precision_inputs_and_buffers() -> None:
     assert no_cast.module.seen == [torch.float32]
 
 
-def prefetch_settings_and_warnings() -> None:
-    from fsdp_interactive.fsdp import BackwardPrefetch, MixedPrecision, _config
+def prefetch_settings() -> None:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp._unit_state import unit_state
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -395,33 +394,12 @@ def prefetch_settings_and_warnings() -> None:
         optim.step()
         optim.zero_grad()
         if step == 0:
-            order = [u.fsdp_module._get_fsdp_state() for u in none._fsdp_forward_order]
+            order = [u.sharded_module._get_fsdp_state() for u in unit_state(none).forward_order]
             assert len(order) == 3
             for current, following in itertools.pairwise(order):
                 assert current._states_to_forward_prefetch == [following]
     ref = C.train_reference(2, world)
     assert C.max_param_diff(C.full_params(none), ref.params) <= 1e-5
-
-    _config._warned.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        FSDP(
-            C.make_model(0),
-            backward_prefetch=BackwardPrefetch.BACKWARD_POST,
-            limit_all_gathers=False,
-            mixed_precision=MixedPrecision(
-                param_dtype=torch.bfloat16, keep_low_precision_grads=True
-            ),
-        )
-        FSDP(C.make_model(0), backward_prefetch=BackwardPrefetch.BACKWARD_POST)
-    messages = [str(w.message) for w in caught]
-    for needle in (
-        "BACKWARD_POST",
-        "limit_all_gathers",
-        "keep_low_precision_grads",
-        "use_orig_params",
-    ):
-        assert sum(needle in m for m in messages) == 1, (needle, messages)
 
 
 def sync_module_states_broadcasts_rank0() -> None:
@@ -492,7 +470,7 @@ def test_mixed_precision_root_inputs_and_buffers(ranks2):
 
 
 def test_prefetch_arguments_change_the_schedule(ranks2):
-    ranks2.run(prefetch_settings_and_warnings)
+    ranks2.run(prefetch_settings)
 
 
 def test_sync_module_states(ranks2):
