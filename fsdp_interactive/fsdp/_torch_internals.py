@@ -73,6 +73,20 @@ unflatten_dense_tensors = _unflatten_dense_tensors
 map_tree = tree_map
 
 
+def run_policy(
+    policy: _Policy, root: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict
+) -> dict[nn.Module, dict]:
+    """The modules ``policy`` wraps under ``root`` with their constructor keywords
+    (``_Policy._run_policy``, what FSDP1's auto-wrap calls)."""
+    return policy._run_policy(root, ignored_modules, root_kwargs)
+
+
+def move_own_states(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s own parameters and buffers (not its submodules') to ``device``
+    (``nn.Module._apply`` without recursion)."""
+    module._apply(lambda t: t.to(device), recurse=False)
+
+
 def module_classes_without_mixed_precision(mp: MixedPrecision) -> tuple[type, ...]:
     """The module classes FSDP1 keeps in full precision under ``mp`` (batch norm by default)."""
     return tuple(mp._module_classes_to_ignore)

@@ -41,6 +41,7 @@ from fsdp_interactive.fsdp._torch_internals import (
     or_policy,
     override_module_mixed_precision,
     run_mixed_precision_override_policy,
+    run_policy,
     warn_on_overridden_mixed_precision,
     wrap_module_cls_individually,
 )
@@ -68,7 +69,7 @@ def select_units(
         module_classes_without_mixed_precision(mixed_precision) if mixed_precision else ()
     )
     if isinstance(policy, Policy):
-        chosen = policy._run_policy(root, set(ignored_modules), dict(root_kwargs))
+        chosen = run_policy(policy, root, set(ignored_modules), dict(root_kwargs))
         if no_mp_classes:
             chosen = run_mixed_precision_override_policy(
                 root, no_mp_classes, set(ignored_modules), dict(root_kwargs), chosen

@@ -73,6 +73,7 @@ from fsdp_interactive.fsdp._torch_internals import (
     EXTRA_STATE_KEY_SUFFIX,
     ActivationWrapper,
     Policy,
+    move_own_states,
 )
 from fsdp_interactive.fsdp._traversal import check_idle, root_units, unit_states, units
 from fsdp_interactive.fsdp._unit_state import IgnoredStates, UnitState, require_state
@@ -186,7 +187,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
             if device_id is not None:
                 for ignored_module in ignored.modules:
-                    ignored_module._apply(lambda t: t.to(device), recurse=False)
+                    move_own_states(ignored_module, device)
             self._fsdp_wrapped_module = module
             setup_unit(self, module, config, ignored)
         except BaseException:
