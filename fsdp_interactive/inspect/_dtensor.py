@@ -1,4 +1,8 @@
-"""Small DTensor helpers shared by the probes (rank side)."""
+"""Small DTensor helpers shared by the probes (rank side).
+
+What reads torch internals (a DTensor's local shard, the local shape at a mesh coordinate,
+``fully_shard``'s padding) comes from :mod:`fsdp_interactive.fsdp._torch_internals`.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from fsdp_interactive.fsdp import _torch_internals
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (a DTensor's local shard, a plain tensor itself).
-
-    Read without autograd: ``to_local()`` goes through an autograd function on every call,
-    which is most of a probe's cost for a model of a few hundred parameters.
-    """
-    if isinstance(tensor, DTensor):
-        local = getattr(tensor, "_local_tensor", None)  # what to_local() returns, unwrapped
-        return local.detach() if local is not None else tensor.to_local().detach()
-    return tensor.detach()
+    """The tensor this rank stores (a DTensor's local shard, a plain tensor itself), detached."""
+    return _torch_internals.local_tensor(tensor).detach()
 
 
 def world() -> tuple[int, int]:
@@ -62,45 +61,6 @@ def _replicated_copies(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> i
         for size, placement in zip(mesh.shape, placements, strict=True)
         if placement.is_replicate()
     )
-
-
-def local_shape_and_offset(
-    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Local shape and global offset of the piece held at ``coordinate`` of a mesh."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    shape, offset = _compute_local_shape_and_global_offset(
-        global_shape, mesh_shape, coordinate, placements
-    )
-    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
-
-
-def padded_numels(model: nn.Module) -> dict[int, int]:
-    """id(sharded parameter) -> elements FSDP stores for it on this rank (with padding).
-
-    Read from fully_shard's per-parameter state; parameters not managed by fully_shard are
-    absent.  Reads private torch attributes and returns what it could read.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    sizes: dict[int, int] = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        try:
-            groups = module._get_fsdp_state()._fsdp_param_groups
-        except AttributeError:
-            continue
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                try:
-                    sizes[id(fsdp_param.sharded_param)] = math.prod(
-                        fsdp_param.padded_sharded_param_size
-                    )
-                except AttributeError:
-                    continue
-    return sizes
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
