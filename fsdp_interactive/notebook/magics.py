@@ -68,13 +68,19 @@ def parse_targets(text: str, world_size: int) -> list[int] | None:
 
 
 def _rank_error_class() -> type:
-    from fsdp_interactive.pool import RankError
+    from fsdp_interactive.pool.errors import RankError
 
     return RankError
 
 
 def _pool_failures() -> tuple[type[BaseException], ...]:
-    from fsdp_interactive.pool import PoolError, RankDied, RankError, RankInterrupted, RankTimeout
+    from fsdp_interactive.pool.errors import (
+        PoolError,
+        RankDied,
+        RankError,
+        RankInterrupted,
+        RankTimeout,
+    )
 
     return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
 

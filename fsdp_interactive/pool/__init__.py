@@ -6,7 +6,10 @@ raise. Rank-side start-up code lives in :mod:`fsdp_interactive.pool._rank_bootst
 """
 
 from fsdp_interactive.pool._devices import visible_cuda_device_count
-from fsdp_interactive.pool._errors import (
+from fsdp_interactive.pool._output import RunResult, TaggedPrinter
+from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.errors import (
     PoolBusy,
     PoolError,
     PoolNotRunning,
@@ -16,9 +19,6 @@ from fsdp_interactive.pool._errors import (
     RankInterrupted,
     RankTimeout,
 )
-from fsdp_interactive.pool._output import RunResult, TaggedPrinter
-from fsdp_interactive.pool._pool import Pool
-from fsdp_interactive.pool._topology import RankRecord
 
 __all__ = [
     "Pool",

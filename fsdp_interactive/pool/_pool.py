@@ -76,7 +76,12 @@ import psutil
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._devices import visible_cuda_device_count
 from fsdp_interactive.pool._engine_entry import engine_command
-from fsdp_interactive.pool._errors import (
+from fsdp_interactive.pool._loop import LoopThread
+from fsdp_interactive.pool._output import OutputSink, RunResult, TaggedPrinter, plain_result
+from fsdp_interactive.pool._reaper import end_processes, start_reaper, write_pid_file
+from fsdp_interactive.pool._stacks import describe, format_stack, in_distributed, user_stack
+from fsdp_interactive.pool._topology import RankRecord, RankSlot, assign_ranks, format_table
+from fsdp_interactive.pool.errors import (
     PoolBusy,
     PoolNotRunning,
     PoolStartError,
@@ -86,11 +91,6 @@ from fsdp_interactive.pool._errors import (
     RankTimeout,
     strip_ansi,
 )
-from fsdp_interactive.pool._loop import LoopThread
-from fsdp_interactive.pool._output import OutputSink, RunResult, TaggedPrinter, plain_result
-from fsdp_interactive.pool._reaper import end_processes, start_reaper, write_pid_file
-from fsdp_interactive.pool._stacks import describe, format_stack, in_distributed, user_stack
-from fsdp_interactive.pool._topology import RankRecord, RankSlot, assign_ranks, format_table
 
 _POLL_S = 0.05
 _LOG_TAIL_LINES = 20
