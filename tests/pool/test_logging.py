@@ -46,6 +46,28 @@ def test_debug_level_shows_start_up_phases_and_rank_records(profile_dir):
         assert f"[rank {rank}:stderr] DEBUG fsdp_interactive.probe: hello from {rank}\n" in err
 
 
+MAGIC_SCRIPT = """
+import sys
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+shell = start_ipython()
+shell.run_line_magic("load_ext", "fsdp_interactive")
+try:
+    shell.run_line_magic("fsdp", "start -n 1 --backend gloo --log-level loud")
+except UsageError as error:
+    print("refused:", error)
+shell.run_line_magic("fsdp", "start -n 1 --backend gloo --log-level debug")
+shell.run_line_magic("fsdp", "stop")
+"""
+
+
+def test_fsdp_start_log_level_option_turns_records_on(profile_dir):
+    out, err = run_script_streams(MAGIC_SCRIPT, env={"IPYTHONDIR": profile_dir})
+    assert "refused:" in out and "--log-level" in out and "'loud'" in out
+    assert "fsdp_interactive.pool._pool: running: 1 ranks, started in " in err
+    assert "[rank 0:stderr] DEBUG fsdp_interactive.pool._rank_bootstrap: rank 0 joined in" in err
+
+
 def test_ranks_records_are_not_shown_by_default(pool: Pool, capsys):
     pool.run(
         "import logging\n"
