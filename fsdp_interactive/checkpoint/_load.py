@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.checkpoint import _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint import _manifest
 from fsdp_interactive.checkpoint._safe_reader import read_metadata, safe_load
 from fsdp_interactive.checkpoint._save import wait_for_pending_save
 from fsdp_interactive.checkpoint.errors import (
@@ -39,6 +39,7 @@ from fsdp_interactive.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from fsdp_interactive.fsdp import _fqn_state
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _verify_files(
 def _model_targets(
     model: nn.Module, metadata: Metadata, strict: bool
 ) -> tuple[dict[str, Any], list[str], list[str]]:
-    current = _state.model_state(model)
+    current = _fqn_state.model_state(model)
     saved = {
         path[1]: metadata.state_dict_metadata[key]
         for key, path in _paths_of(metadata, "model").items()
@@ -173,7 +174,7 @@ def _optim_targets(
 ) -> tuple[dict[str, Any], list[str]]:
     """Buffers for the saved optimizer state, sharded like the matching parameters."""
     params = {}
-    names = _state.param_fqns(model)
+    names = _fqn_state.param_fqns(model)
     for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
         params[names[raw]] = param
     target: dict[str, Any] = {}
@@ -211,7 +212,7 @@ def _optim_targets(
 def _check_param_groups(
     model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]
 ) -> None:
-    expected = _state.optimizer_param_groups(model, optimizer)
+    expected = _fqn_state.optimizer_param_groups(model, optimizer)
     got = [list(g.get("params", [])) for g in loaded.get("param_groups", [])]
     if [sorted(g) for g in got] != [sorted(g) for g in expected]:
         raise IncompatibleCheckpointError(
@@ -309,9 +310,9 @@ def load(
             error = exc
     ranks.agree(error)
 
-    _state.apply_model_state(model, target["model"], strict=False)
+    _fqn_state.apply_model_state(model, target["model"], strict=False)
     if "optim" in target:
-        _state.apply_optimizer_state(model, optimizer, target["optim"])
+        _fqn_state.apply_optimizer_state(model, optimizer, target["optim"])
     return LoadReport(
         path=str(folder),
         step=manifest.step,

@@ -38,8 +38,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_interactive._background_groups import background_gloo_group
-from fsdp_interactive.checkpoint import _layout, _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks, single_process_quietly
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint._collective import single_process_quietly
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord, Manifest
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
 from fsdp_interactive.checkpoint.errors import (
@@ -47,6 +48,7 @@ from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
 )
+from fsdp_interactive.fsdp import _fqn_state
 
 IfBusy = Literal["wait", "error"]
 
@@ -173,9 +175,9 @@ def _capture(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
-    state: dict[str, Any] = {"model": _state.model_state(model)}
+    state: dict[str, Any] = {"model": _fqn_state.model_state(model)}
     if optimizer is not None:
-        state["optim"] = _state.optimizer_state(model, optimizer)
+        state["optim"] = _fqn_state.optimizer_state(model, optimizer)
     return state
 
 
