@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fsdp_interactive.checkpoint._collective import single_process_quietly
+from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 METADATA_FILE = ".metadata"
@@ -141,6 +141,21 @@ def _validate_metadata(metadata: Any, path: Path) -> None:
             value = getattr(info, field, None)
             if not isinstance(value, int) or value < 0:
                 raise bad(f"storage extent {field}={value!r} for {rel!r}")
+
+
+def section_paths(metadata: Metadata, section: str) -> dict[str, tuple]:
+    """Flattened DCP key -> object path (a tuple of keys) of the entries under ``section``
+    (the top-level key of the saved state dict: "model", "optim", ...)."""
+    mapping = getattr(metadata, "planner_data", None) or {}
+    out = {}
+    for key in metadata.state_dict_metadata:
+        path = mapping.get(key)
+        if path is None:
+            head, _, rest = key.partition(".")
+            path = (head, rest)
+        if path and path[0] == section:
+            out[key] = tuple(path)
+    return out
 
 
 def storage_extents(metadata: Metadata) -> dict[str, int]:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_interactive.checkpoint._state import hooks_suspended
+from fsdp_interactive.fsdp._raw_state_dict import hooks_suspended
 from fsdp_interactive.fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
