@@ -257,7 +257,7 @@ class FsdpMagics(Magics):
             pool.run(code, stream=False)
             value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
         except _rank_error_class() as error:
-            from fsdp_interactive.inspect._pull import TOO_LARGE
+            from fsdp_interactive.inspect import TOO_LARGE
 
             messages = [message for _, message in error.errors.values()]
             if any(TOO_LARGE in m for m in messages):

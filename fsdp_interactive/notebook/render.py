@@ -11,7 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_interactive.inspect._records import (
+from fsdp_interactive._text import human_bytes, number, text_table
+from fsdp_interactive.inspect import (
     GradNormRecord,
     GradNorms,
     MemoryStats,
@@ -19,7 +20,7 @@ from fsdp_interactive.inspect._records import (
     TensorStats,
     find_spikes,
 )
-from fsdp_interactive.notebook._format import html_table, human_bytes, number, text_table
+from fsdp_interactive.notebook._format import html_table
 
 _LAYOUT_HEADERS = ("parameter", "shape", "dtype", "placements", "per-rank rows/shape", "padding")
 
