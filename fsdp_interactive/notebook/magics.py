@@ -337,7 +337,7 @@ class FsdpMagics(Magics):
                 file=sys.stderr,
             )
         stream = args.stream if args.stream is not None else _stream_default()
-        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None, live=stream)
+        sink = StreamSink(ranks, all_ranks=args.group_outputs is not None, live=stream)
         try:
             result = pool.run(cell, targets=targets, timeout=args.timeout, on_output=sink)
         except TimeoutError as error:
