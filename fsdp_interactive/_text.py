@@ -24,7 +24,11 @@ def human_bytes(n: int | float | None) -> str:
 
 
 def number(value: float | None, digits: int = 4) -> str:
-    """Compact float text that keeps NaN/Inf visible."""
+    """``value`` to ``digits`` significant digits (``0.5817``); NaN/Inf as such, ``None`` as ``-``.
+
+    Four digits by default: a computed float32 differs between CPU kernel paths and devices
+    in about its seventh digit, which more digits would show.
+    """
     if value is None:
         return "-"
     if isinstance(value, float) and not math.isfinite(value):
