@@ -12,9 +12,10 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from fsdp_interactive.notebook._format import html_table, human_bytes, text_table
-from fsdp_interactive.notebook._remote import RankModel
+from fsdp_interactive._text import human_bytes, text_table
+from fsdp_interactive.notebook._format import html_table
 from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook.rank_model import RankModel
 
 _HANDLE = "_fsdp_interactive_save_handle"
 _HEADERS = ("name", "step", "saved by", "created (UTC)", "size", "optimizer")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import html as html_lib
 from typing import Any
 
-from fsdp_interactive.inspect._records import MemoryStats
+from fsdp_interactive.inspect import MemoryStats
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.grad_norm_view import GradNormView
 from fsdp_interactive.notebook.layout_view import LayoutView
 from fsdp_interactive.notebook.monitor import GradNormMonitor
 from fsdp_interactive.notebook.plots import memory_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import (
     memory_html,
     memory_text,

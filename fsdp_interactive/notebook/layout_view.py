@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_interactive.inspect._records import ModelLayout
+from fsdp_interactive.inspect import ModelLayout
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import layout_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import layout_html, layout_text
 
 

@@ -257,7 +257,7 @@ class FsdpMagics(Magics):
             pool.run(code, stream=False)
             value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
         except _rank_error_class() as error:
-            from fsdp_interactive.inspect._pull import TOO_LARGE
+            from fsdp_interactive.inspect import TOO_LARGE
 
             messages = [message for _, message in error.errors.values()]
             if any(TOO_LARGE in m for m in messages):
@@ -337,7 +337,7 @@ class FsdpMagics(Magics):
                 file=sys.stderr,
             )
         stream = args.stream if args.stream is not None else _stream_default()
-        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None, live=stream)
+        sink = StreamSink(ranks, all_ranks=args.group_outputs is not None, live=stream)
         try:
             result = pool.run(cell, targets=targets, timeout=args.timeout, on_output=sink)
         except TimeoutError as error:

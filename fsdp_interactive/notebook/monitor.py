@@ -6,11 +6,11 @@ import os
 import threading
 from typing import Any
 
-from fsdp_interactive.inspect._records import GradNormRecord, find_spikes, record_from_json
+from fsdp_interactive.inspect import GradNormRecord, find_spikes, record_from_json
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_history_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import history_text
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from fsdp_interactive.inspect._records import TensorStats
+from fsdp_interactive.inspect import TensorStats
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import stats_html, stats_text
 
 

@@ -31,10 +31,34 @@ def test_default_shows_rank0_output_and_every_ranks_errors(pool_shell, pool, cap
 
 
 def test_streamed_output_is_shown_while_running(pool_shell, pool, capsys):
-    cell(pool_shell, "--stream", "import sys\nprint('streamed', rank)\nprint('e', file=sys.stderr)")
+    cell(
+        pool_shell,
+        "--stream",
+        "import sys\nprint('streamed', rank)\nprint('e', rank, file=sys.stderr)",
+    )
     out, err = capsys.readouterr()
     assert out.count("streamed 0") == 1 and "streamed 1" not in out
-    assert "[rank 0:stderr] e" in err and "[rank 1:stderr] e" in err
+    assert "[rank 0:stderr] e 0" in err and "[rank 1:stderr] e 1" in err
+
+
+@pytest.mark.parametrize("grouping", ["", "--group-outputs rank"])
+def test_streamed_identical_stderr_lines_are_shown_once_with_their_ranks(
+    pool_shell, pool, capsys, grouping
+):
+    body = (
+        "import sys, warnings\n"
+        "warnings.warn_explicit('the same advice on every rank', UserWarning, 'library.py', 7)\n"
+        "print('then this', file=sys.stderr)\n"
+        "if rank == 1:\n"
+        "    print('only rank 1 says this', file=sys.stderr)\n"
+    )
+    cell(pool_shell, f"--stream {grouping}", body)
+    _, err = capsys.readouterr()
+    warning = "[ranks 0,1:stderr] library.py:7: UserWarning: the same advice on every rank\n"
+    assert err.count("the same advice on every rank") == 1 and warning in err
+    assert err.count("then this") == 1 and "[ranks 0,1:stderr] then this" in err
+    assert err.index(warning) < err.index("then this")
+    assert "[rank 1:stderr] only rank 1 says this" in err
 
 
 def test_identical_outputs_are_grouped(pool_shell, pool, capsys):
