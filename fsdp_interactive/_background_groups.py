@@ -21,7 +21,7 @@ def background_gloo_group(purpose: str) -> dist.ProcessGroup | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     cached = _groups.get(purpose)
     if cached is None or cached[0] is not default:
         cached = _groups[purpose] = (default, dist.new_group(backend="gloo"))

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from fsdp_interactive._torch_compat import set_element
 from fsdp_interactive.checkpoint import _manifest, _state
 from fsdp_interactive.checkpoint._collective import Ranks
 from fsdp_interactive.checkpoint._safe_reader import read_metadata, safe_load

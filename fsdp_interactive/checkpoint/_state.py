@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
-_FQN_MODIFIERS = "_fqn_modifiers"
+from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, get_fqns, set_optimizer_state_dict
+
 _raw = threading.local()
 
 
@@ -58,7 +58,7 @@ def hooks_suspended() -> bool:
 
 
 def _hidden_children(module: nn.Module) -> set[str]:
-    modifiers = getattr(module, _FQN_MODIFIERS, None)
+    modifiers = getattr(module, FQN_MODIFIERS_METHOD, None)
     if modifiers is None or not callable(modifiers):
         return set()
     return set(modifiers().values())
@@ -96,18 +96,13 @@ def dcp_param_keys(model: nn.Module) -> dict[str, str]:
     DCP derives its keys from ``model.named_parameters()`` (which a wrapper class may
     already clean) through its FQN resolution; both spellings map to the clean FQN.
     """
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - older/newer torch without the helper
-        _get_fqns = None
     names = param_fqns(model)
     clean_by_id = {}
     for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
         clean_by_id.setdefault(id(param), names[raw])
     out = {}
     for name, param in model.named_parameters():
-        keys = _get_fqns(model, name) if _get_fqns is not None else {name}
-        for key in keys:
+        for key in get_fqns(model, name):
             out[key] = clean_by_id.get(id(param), key)
     return out
 

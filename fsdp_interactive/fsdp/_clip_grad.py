@@ -28,12 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_interactive._torch_compat import dtensor_local_tensor
+
 if TYPE_CHECKING:
     from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return dtensor_local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _check_args(max_norm: object, norm_type: object) -> float:

@@ -32,11 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._comm_hooks import default_hooks
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.fsdp.api import ShardingStrategy
 
+from fsdp_interactive._torch_compat import (
+    FullyShardMeshInfo,
+    FullyShardReduceScatter,
+    default_comm_hooks,
+    fsdp_param_groups,
+)
 from fsdp_interactive.fsdp._mesh import HYBRID_STRATEGIES
 from fsdp_interactive.fsdp._traversal import units
 
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
 def low_precision_hook(
     dtype: torch.dtype,
-    state: default_hooks.DefaultState,
+    state: default_comm_hooks.DefaultState,
     grad: torch.Tensor,
     output: torch.Tensor | None = None,
 ) -> None:
@@ -57,17 +60,17 @@ def low_precision_hook(
     """
     low = grad.to(dtype)
     if output is None:
-        default_hooks.allreduce_hook(state, low)
+        default_comm_hooks.allreduce_hook(state, low)
         grad.copy_(low)
     else:
         low_out = torch.empty_like(output, dtype=dtype)
-        default_hooks.reduce_scatter_hook(state, low, low_out)
+        default_comm_hooks.reduce_scatter_hook(state, low, low_out)
         output.copy_(low_out)
 
 
 _CPU_REPLACEMENTS = {
-    default_hooks.fp16_compress_hook: functools.partial(low_precision_hook, torch.float16),
-    default_hooks.bf16_compress_hook: functools.partial(low_precision_hook, torch.bfloat16),
+    default_comm_hooks.fp16_compress_hook: functools.partial(low_precision_hook, torch.float16),
+    default_comm_hooks.bf16_compress_hook: functools.partial(low_precision_hook, torch.bfloat16),
 }
 
 
@@ -78,7 +81,7 @@ def _for_device(hook: Callable[..., None], device: torch.device) -> Callable[...
     return hook
 
 
-class HookReduceScatter(ReduceScatter):
+class HookReduceScatter(FullyShardReduceScatter):
     """A ``fully_shard`` reduce-scatter that calls an FSDP1 hook ``hook(state, grad, output)``.
 
     ``calls`` counts invocations (the reduction really went through the hook).
@@ -121,9 +124,9 @@ class HookAllReduce:
 
 def _route_no_shard_through_hook(unit: FullyShardedDataParallel, runner: HookAllReduce) -> None:
     inner = unit.fsdp_module
-    for group in inner._get_fsdp_state()._fsdp_param_groups:
+    for group in fsdp_param_groups(inner):
         old = group.mesh_info
-        shard_only = FSDPMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim)
+        shard_only = FullyShardMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim)
         if group.post_forward_mesh_info is old:
             group.post_forward_mesh_info = shard_only
         group.mesh_info = shard_only
@@ -152,7 +155,7 @@ def register_comm_hook(
     hook = _for_device(hook, root.compute_device)
     for unit in all_units:
         inner = unit.fsdp_module
-        if not inner._get_fsdp_state()._fsdp_param_groups:
+        if not fsdp_param_groups(inner):
             unit._comm_hook, unit._comm_hook_state = user_hook, state
             continue
         if unit.sharding_strategy == ShardingStrategy.NO_SHARD:

@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_interactive._torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
 
 def resolve_device(
@@ -200,9 +201,9 @@ def broadcast_from_rank0(
     )
     for bucket in by_dtype.values():
         # Communicate on the mesh's device (NCCL cannot send CPU tensors); copy back after.
-        flat = _flatten_dense_tensors([t.detach() for t in bucket]).to(comm_device)
+        flat = flatten_dense_tensors([t.detach() for t in bucket]).to(comm_device)
         dist.broadcast(flat, src=source, group=group)
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        for t, synced in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(synced)
 
 

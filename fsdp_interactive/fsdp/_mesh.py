@@ -39,7 +39,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.api import ShardingStrategy
 
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+from fsdp_interactive._torch_compat import HYBRID_SHARD_ZERO2
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2)
 MESH_DIM_NAMES = ("replicate", "shard")
 
 _mesh_cache: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
@@ -66,7 +68,7 @@ class ShardingLayout:
 
 def _world_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
     """A mesh over the default group, created once per (device type, shape)."""
-    world_group = dist.distributed_c10d._get_default_group()
+    world_group = dist.group.WORLD
     key = (device_type, shape)
     cached = _mesh_cache.get(key)
     if cached is not None and cached[0] is world_group:
@@ -187,7 +189,7 @@ def resolve_layout(
             f"not {strategy.name}"
         )
     group = process_group
-    if group is None or group == dist.distributed_c10d._get_default_group():
+    if group is None or group == dist.group.WORLD:
         world = dist.get_world_size()
         if strategy == ShardingStrategy.NO_SHARD:
             return ShardingLayout(strategy, _world_mesh(device_type, (world, 1)), reshard)
@@ -213,7 +215,7 @@ def _singleton_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     ``new_subgroups`` is collective over the *default* group, so every rank of the job must
     build such a unit; the group is created once per default group and reused.
     """
-    world_group = dist.distributed_c10d._get_default_group()
+    world_group = dist.group.WORLD
     if _singleton_cache and _singleton_cache[0][0] is world_group:
         return _singleton_cache[0][1]
     group, _ = dist.new_subgroups(group_size=1)

@@ -30,7 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp_interactive._torch_compat import (
+    compute_local_shape_and_global_offset,
+    dtensor_local_tensor,
+    parameter_slots,
+)
 
 
 @dataclass
@@ -52,7 +57,7 @@ def sharded_slots(modules: Sequence[nn.Module]) -> list[_Swap]:
     """Every (module, name) slot in ``modules`` that holds a DTensor parameter."""
     slots = []
     for module in modules:
-        for name, param in module._parameters.items():
+        for name, param in parameter_slots(module).items():
             if isinstance(param, DTensor):
                 slots.append(_Swap(module, name, param))
     return slots
@@ -88,13 +93,13 @@ def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
                 slot.sharded.shape, slot.sharded.device_mesh, slot.sharded.placements
             )
             local = torch.zeros(
-                shape, dtype=slot.sharded.dtype, device=slot.sharded._local_tensor.device
+                shape, dtype=slot.sharded.dtype, device=dtensor_local_tensor(slot.sharded).device
             )
             grad = DTensor.from_local(
                 local, slot.sharded.device_mesh, slot.sharded.placements, run_check=False
             )
         full_grad = grad.full_tensor()
-        if _shares_storage(full_grad, grad._local_tensor):
+        if _shares_storage(full_grad, dtensor_local_tensor(grad)):
             full_grad = full_grad.clone()
         if slot.full is not None:
             slot.full.grad = full_grad.to(slot.full.device)
@@ -131,7 +136,7 @@ def summon_units(
                         if keep_full:
                             if offload_to_cpu:
                                 full = full.cpu()
-                            if _shares_storage(full, slot.sharded._local_tensor):
+                            if _shares_storage(full, dtensor_local_tensor(slot.sharded)):
                                 full = full.clone()  # unsharded meshes return the shard itself
                             full_of[key] = nn.Parameter(
                                 full, requires_grad=slot.sharded.requires_grad
@@ -141,14 +146,14 @@ def summon_units(
                     _gather_grads(record.swaps, group)
                 if keep_full:
                     for slot in record.swaps:
-                        slot.module._parameters[slot.name] = slot.full
+                        parameter_slots(slot.module)[slot.name] = slot.full
         yield
     finally:
         with torch.no_grad():
             written: set[int] = set()
             for record in reversed(done):
                 for slot in record.swaps:
-                    current = slot.module._parameters.get(slot.name)
+                    current = parameter_slots(slot.module).get(slot.name)
                     if (
                         writeback
                         and keep_full
@@ -162,7 +167,7 @@ def summon_units(
                                 f"{tuple(slot.sharded.shape)} to {tuple(current.shape)}; "
                                 "only values can be written back"
                             )
-                        local = slot.sharded._local_tensor
+                        local = dtensor_local_tensor(slot.sharded)
                         local.copy_(local_slice(current.detach(), slot.sharded).to(local.device))
                         written.add(id(slot.sharded))
-                    slot.module._parameters[slot.name] = slot.sharded
+                    parameter_slots(slot.module)[slot.name] = slot.sharded

@@ -21,7 +21,8 @@ from torch.distributed.fsdp.api import (
     MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.fsdp.wrap import _Policy
+
+from fsdp_interactive._torch_compat import WrapPolicy
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def check_types(
             raise TypeError(f"{name} must be a {cls.__name__} or None, got {_type_name(value)}")
     if (
         auto_wrap_policy is not None
-        and not isinstance(auto_wrap_policy, _Policy)
+        and not isinstance(auto_wrap_policy, WrapPolicy)
         and not callable(auto_wrap_policy)
     ):
         raise TypeError(

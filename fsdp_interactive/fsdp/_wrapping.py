@@ -32,14 +32,18 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
-from torch.distributed.fsdp._wrap_utils import _warn_on_overridden_mixed_precision
 from torch.distributed.fsdp.api import MixedPrecision
-from torch.distributed.fsdp.wrap import (
-    _or_policy,
-    _Policy,
-    _run_mixed_precision_override_policy,
-    _wrap_module_cls_individually,
+
+from fsdp_interactive._torch_compat import (
+    WrapPolicy,
+    no_mixed_precision_classes,
+    or_policy,
+    override_module_mixed_precision,
+    run_mixed_precision_override_policy,
+    run_wrap_policy,
+    submodule_slots,
+    warn_on_overridden_mixed_precision,
+    wrap_module_cls_individually,
 )
 
 WrapFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
@@ -47,7 +51,7 @@ WrapFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
 
 def select_units(
     root: nn.Module,
-    policy: _Policy | Callable[..., bool],
+    policy: WrapPolicy | Callable[..., bool],
     ignored_modules: frozenset[nn.Module],
     ignored_params: frozenset[nn.Parameter],
     is_unit: Callable[[nn.Module], bool],
@@ -59,16 +63,14 @@ def select_units(
     With ``mixed_precision``, also registers torch's float32 cast hooks on the modules of
     ``mixed_precision._module_classes_to_ignore`` (undone by the caller's rollback on failure).
     """
-    no_mp_classes = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision else ()
-    if isinstance(policy, _Policy):
-        chosen = policy._run_policy(root, set(ignored_modules), dict(root_kwargs))
+    no_mp_classes = no_mixed_precision_classes(mixed_precision) if mixed_precision else ()
+    if isinstance(policy, WrapPolicy):
+        chosen = run_wrap_policy(policy, root, set(ignored_modules), dict(root_kwargs))
         if no_mp_classes:
-            chosen = _run_mixed_precision_override_policy(
+            chosen = run_mixed_precision_override_policy(
                 root, no_mp_classes, set(ignored_modules), dict(root_kwargs), chosen
             )
-            _warn_on_overridden_mixed_precision(
-                _override_module_mixed_precision(root, no_mp_classes)
-            )
+            warn_on_overridden_mixed_precision(override_module_mixed_precision(root, no_mp_classes))
         return {
             module: {**root_kwargs, **kwargs}
             for module, kwargs in chosen.items()
@@ -79,13 +81,13 @@ def select_units(
         }
     if no_mp_classes:
         policy = functools.partial(
-            _or_policy,
+            or_policy,
             policies=[
                 policy,
-                functools.partial(_wrap_module_cls_individually, module_classes=no_mp_classes),
+                functools.partial(wrap_module_cls_individually, module_classes=no_mp_classes),
             ],
         )
-        _warn_on_overridden_mixed_precision(_override_module_mixed_precision(root, no_mp_classes))
+        warn_on_overridden_mixed_precision(override_module_mixed_precision(root, no_mp_classes))
     chosen_modules: list[nn.Module] = []
     in_existing_units = {p for m in root.modules() if is_unit(m) for p in m.parameters()}
     _select_recursively(
@@ -163,7 +165,7 @@ def wrap_bottom_up(
             visit(child)
             if child in targets:
                 wrapper = wrap_fn(child, targets[child])
-                module._modules[name] = wrapper
+                submodule_slots(module)[name] = wrapper
                 replaced.append((module, name, child))
 
     visit(root)

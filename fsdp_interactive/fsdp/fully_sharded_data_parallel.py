@@ -41,10 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    _CHECKPOINT_WRAPPED_MODULE,
-    ActivationWrapper,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.api import (
@@ -58,10 +54,20 @@ from torch.distributed.fsdp.api import (
     StateDictType,
 )
 from torch.distributed.fsdp.fully_sharded_data_parallel import OptimStateKeyType
-from torch.distributed.fsdp.wrap import _Policy
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
+from fsdp_interactive._torch_compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    EXTRA_STATE_KEY_SUFFIX,
+    ActivationWrapper,
+    WrapPolicy,
+    apply_to_own_tensors,
+    buffer_slots,
+    parameter_slots,
+    submodule_slots,
+    training_state_name,
+    tree_map,
+)
 from fsdp_interactive.fsdp import _init, _optim_utils, _state_dict_utils, _summon
 from fsdp_interactive.fsdp._config import (
     UnitConfig,
@@ -82,7 +88,7 @@ _PREFIX = FSDP_WRAPPED_MODULE + "."
 def clean_name(name: str) -> str:
     """``name`` without ``_fsdp_wrapped_module.`` or ``_checkpoint_wrapped_module.`` components
     (the unwrapped model's name; FSDP1's ``clean_tensor_name`` drops the same two)."""
-    return name.replace(_PREFIX, "").replace(_CHECKPOINT_WRAPPED_MODULE + ".", "")
+    return name.replace(_PREFIX, "").replace(CHECKPOINT_WRAPPED_MODULE + ".", "")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -103,7 +109,7 @@ class FullyShardedDataParallel(nn.Module):
         | None = None,
         sharding_strategy: ShardingStrategy | None = None,
         cpu_offload: CPUOffload | None = None,
-        auto_wrap_policy: Callable | _Policy | None = None,
+        auto_wrap_policy: Callable | WrapPolicy | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
@@ -193,7 +199,7 @@ class FullyShardedDataParallel(nn.Module):
                 wrap_bottom_up(module, targets, wrap_child, [])
             if device_id is not None:
                 for ignored_module in ignored.modules:
-                    ignored_module._apply(lambda t: t.to(device), recurse=False)
+                    apply_to_own_tensors(ignored_module, lambda t: t.to(device))
             self._setup_unit(module, config, ignored)
         except BaseException:
             snapshot.restore()
@@ -260,11 +266,11 @@ class FullyShardedDataParallel(nn.Module):
         for module in owned:
             if module in self._fsdp_ignored.modules:
                 continue
-            for name, buf in module._buffers.items():
+            for name, buf in buffer_slots(module).items():
                 if buf is None or not buf.is_floating_point() or buf.dtype == mp.buffer_dtype:
                     continue
                 self._buffer_original_dtypes[(module, name)] = buf.dtype
-                module._buffers[name] = buf.to(mp.buffer_dtype)
+                buffer_slots(module)[name] = buf.to(mp.buffer_dtype)
 
     # ------------------------------------------------------------------ module shape
 
@@ -273,7 +279,7 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module (inside an activation-checkpoint wrapper, the module it wraps)."""
         inner = self._fsdp_wrapped_module
         if isinstance(inner, ActivationWrapper):
-            return getattr(inner, _CHECKPOINT_WRAPPED_MODULE)
+            return getattr(inner, CHECKPOINT_WRAPPED_MODULE)
         return inner
 
     def __getattr__(self, name: str) -> Any:
@@ -281,7 +287,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get(FSDP_WRAPPED_MODULE)
+            inner = submodule_slots(self).get(FSDP_WRAPPED_MODULE)
             if inner is None:
                 raise
             return getattr(inner, name)
@@ -298,10 +304,10 @@ class FullyShardedDataParallel(nn.Module):
         """
         inner = self._fsdp_wrapped_module
         names = [
-            *inner._modules,
-            *inner._parameters,
-            *inner._buffers,
-            nn.modules.module._EXTRA_STATE_KEY_SUFFIX,
+            *submodule_slots(inner),
+            *parameter_slots(inner),
+            *buffer_slots(inner),
+            EXTRA_STATE_KEY_SUFFIX,
         ]
         return dict.fromkeys(names, FSDP_WRAPPED_MODULE)
 
@@ -460,11 +466,11 @@ class FullyShardedDataParallel(nn.Module):
             if unit._fsdp_forward_depth or unit._fsdp_summoning:
                 doing = "summon_full_params()" if unit._fsdp_summoning else "forward()"
                 raise RuntimeError(f"{what} cannot be called during {doing}")
-            state = unit.fsdp_module._get_fsdp_state()
-            if state._training_state.name != "IDLE":
+            state = training_state_name(unit.fsdp_module)
+            if state != "IDLE":
                 raise RuntimeError(
                     f"{what} cannot be called during forward or backward "
-                    f"(a unit is in state {state._training_state.name})"
+                    f"(a unit is in state {state})"
                 )
 
     @staticmethod

@@ -12,6 +12,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from fsdp_interactive._torch_compat import (
+    compute_local_shape_and_global_offset_at,
+    dtensor_local_tensor,
+    managed_parameters,
+)
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores (a DTensor's local shard, a plain tensor itself).
@@ -20,8 +26,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     which is most of a probe's cost for a model of a few hundred parameters.
     """
     if isinstance(tensor, DTensor):
-        local = getattr(tensor, "_local_tensor", None)  # what to_local() returns, unwrapped
-        return local.detach() if local is not None else tensor.to_local().detach()
+        return dtensor_local_tensor(tensor).detach()
     return tensor.detach()
 
 
@@ -68,9 +73,7 @@ def local_shape_and_offset(
     global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shape and global offset of the piece held at ``coordinate`` of a mesh."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    shape, offset = _compute_local_shape_and_global_offset(
+    shape, offset = compute_local_shape_and_global_offset_at(
         global_shape, mesh_shape, coordinate, placements
     )
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
@@ -80,7 +83,7 @@ def padded_numels(model: nn.Module) -> dict[int, int]:
     """id(sharded parameter) -> elements FSDP stores for it on this rank (with padding).
 
     Read from fully_shard's per-parameter state; parameters not managed by fully_shard are
-    absent.  Reads private torch attributes and returns what it could read.
+    absent.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -88,18 +91,8 @@ def padded_numels(model: nn.Module) -> dict[int, int]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        try:
-            groups = module._get_fsdp_state()._fsdp_param_groups
-        except AttributeError:
-            continue
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                try:
-                    sizes[id(fsdp_param.sharded_param)] = math.prod(
-                        fsdp_param.padded_sharded_param_size
-                    )
-                except AttributeError:
-                    continue
+        for param, padded_size in managed_parameters(module):
+            sizes[id(param)] = math.prod(padded_size)
     return sizes
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_interactive._torch_compat import foreach_norm
 from fsdp_interactive.inspect._dtensor import (
     comm_device,
     local_tensor,
@@ -101,10 +102,10 @@ def _shard_norms(shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """float64 norms of ``shards``: float32 passes, float64 again where not finite."""
     low = [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in shards]
     cpu64 = {"dtype": torch.float64, "device": "cpu"}
-    norms = torch.stack(torch._foreach_norm(low, norm_type)).to(**cpu64)
+    norms = torch.stack(foreach_norm(low, norm_type)).to(**cpu64)
     if not bool(norms.isfinite().all()):
         redo = [i for i, ok in enumerate(norms.isfinite().tolist()) if not ok]
-        exact = torch._foreach_norm([shards[i] for i in redo], norm_type, dtype=torch.float64)
+        exact = foreach_norm([shards[i] for i in redo], norm_type, dtype=torch.float64)
         norms[torch.tensor(redo)] = torch.stack(exact).to(**cpu64)
     return norms
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_interactive._torch_compat import compute_local_shape_and_global_offset
 from fsdp_interactive.inspect._dtensor import named_parameters
 from fsdp_interactive.inspect._records import TensorStats
 
@@ -81,8 +82,6 @@ def _write_full_into(param: nn.Parameter, full: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         param.data.copy_(full)
         return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, param.device_mesh, param.placements
     )

@@ -1,0 +1,384 @@
+"""Every private torch name fsdp_interactive uses, read in this one module (rank side).
+
+Torch promises nothing for names with a leading underscore, for public-looking names in
+private modules (``torch.distributed.fsdp._fully_shard``), or for attributes of private
+classes. The rest of the package reaches them only through the names below. Each entry
+says what it is, where torch keeps it and the torch versions it was checked on; where
+versions differ it has one branch per version, each doing the same thing.
+
+"Checked" below means: the package's tests ran on these torch releases (the PyPI wheels of
+2.9.1 and 2.14.1, the CPU build of 2.13.0). For the entries that differ between versions,
+the sources of 2.10.0, 2.11.0 and 2.12.1 were read as well, which is where the version
+boundaries given come from.
+
+``tests/test_torch_compat.py`` resolves every entry on the running torch (signatures and
+attributes included), so a torch release that moves one fails that test, naming the entry.
+A torch that lacks a name outright fails the import of this module with an ``ImportError``
+naming the torch name and this module.
+
+Not done: no entry substitutes an empty or default value for one torch has; an entry that
+cannot do its job on the running torch raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp.api import MixedPrecision, ShardingStrategy
+from torch.distributed.tensor import DTensor
+
+#: The torch releases the package's tests ran on (see the module docstring).
+CHECKED_ON = ("2.9.1", "2.13.0", "2.14.1")
+
+
+def _torch_name(module: str, name: str) -> Any:
+    """``module.name`` on the running torch; an ImportError naming both if torch lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(
+            f"torch {torch.__version__} has no {module}.{name}, which fsdp_interactive uses "
+            f"(fsdp_interactive/_torch_compat.py; checked on torch {', '.join(CHECKED_ON)})"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------- torch core
+
+#: ``torch._utils._flatten_dense_tensors``: one flat tensor from many (a broadcast bucket).
+#: checked: 2.9.1, 2.13.0, 2.14.1
+flatten_dense_tensors: Callable[..., torch.Tensor] = _torch_name(
+    "torch._utils", "_flatten_dense_tensors"
+)
+#: ``torch._utils._unflatten_dense_tensors``: views of a flat tensor shaped like the originals.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+unflatten_dense_tensors: Callable[..., tuple[torch.Tensor, ...]] = _torch_name(
+    "torch._utils", "_unflatten_dense_tensors"
+)
+#: ``torch._foreach_norm(tensors, ord, dtype=None)``: one norm per tensor in one kernel call.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+foreach_norm: Callable[..., list[torch.Tensor]] = _torch_name("torch", "_foreach_norm")
+#: ``torch.utils._pytree.tree_map``: map a function over the leaves of nested containers.
+#: checked: 2.9.1, 2.13.0, 2.14.1 (no public ``torch.utils.pytree`` in any of them)
+tree_map: Callable[..., Any] = _torch_name("torch.utils._pytree", "tree_map")
+#: ``torch.serialization._get_layout``: a global that DCP's pickled metadata refers to.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+_serialization_get_layout = _torch_name("torch.serialization", "_get_layout")
+
+
+# ---------------------------------------------------------------------------- nn.Module
+
+#: ``torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX``: the state-dict key of
+#: ``get_extra_state``. checked: 2.9.1, 2.13.0, 2.14.1
+EXTRA_STATE_KEY_SUFFIX: str = _torch_name("torch.nn.modules.module", "_EXTRA_STATE_KEY_SUFFIX")
+
+#: The hook dictionaries ``nn.Module.__init__`` creates (``_forward_pre_hooks``, ...): what a
+#: rollback of a failed wrap restores. checked: 2.9.1, 2.13.0, 2.14.1 (all eleven on each)
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module._parameters``: the module's own parameters by name, the live dict.
+
+    Writing into it replaces a parameter without ``register_parameter``'s checks.
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return module._parameters
+
+
+def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module._buffers``: the module's own buffers by name, the live dict.
+
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return module._buffers
+
+
+def submodule_slots(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module._modules``: the module's direct children by name, the live dict.
+
+    Read from the instance ``__dict__``, so that it is safe inside a ``__getattr__``; a
+    module whose ``nn.Module.__init__`` has not run has no children yet (``{}``).
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return vars(module).get("_modules", {})
+
+
+def apply_to_own_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``module._apply(fn, recurse=False)``: ``fn`` on the module's own parameters and buffers.
+
+    What ``module.to()`` does, without descending into children.
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    module._apply(fn, recurse=False)
+
+
+# ---------------------------------------------------------------------------- DTensor
+
+_compute_local_shape_and_global_offset = _torch_name(
+    "torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset"
+)
+#: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset(global_shape,
+#: mesh, placements)``: this rank's local shape and global offset.
+#: checked: 2.9.1, 2.13.0, 2.14.1 (2.13 adds a ``skip_offset`` keyword, not used here)
+compute_local_shape_and_global_offset: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]] = (
+    _torch_name("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+)
+
+
+def compute_local_shape_and_global_offset_at(
+    global_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: list[int],
+    placements: Any,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of the piece held at ``coordinate`` of a mesh of
+    ``mesh_shape`` (any rank's piece, not only this rank's).
+
+    ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``.
+    checked: 2.9.1, 2.13.0, 2.14.1 (a list coordinate on each)
+    """
+    return _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+
+
+def dtensor_local_tensor(tensor: DTensor) -> torch.Tensor:
+    """``DTensor._local_tensor``: this rank's shard itself.
+
+    What ``to_local()`` returns, without its autograd function (which costs more than the
+    read for small tensors, and returns a view rather than the stored tensor).
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return tensor._local_tensor
+
+
+# ---------------------------------------------------------------------------- FSDP1 names
+
+#: ``torch.distributed.fsdp.wrap._Policy``: the base of ``ModuleWrapPolicy`` and
+#: ``CustomPolicy``. checked: 2.9.1, 2.13.0, 2.14.1
+WrapPolicy: type = _torch_name("torch.distributed.fsdp.wrap", "_Policy")
+#: ``torch.distributed.fsdp.wrap._or_policy(module, recurse, nonwrapped_numel, policies)``.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+or_policy: Callable[..., bool] = _torch_name("torch.distributed.fsdp.wrap", "_or_policy")
+#: ``torch.distributed.fsdp.wrap._wrap_module_cls_individually(module, module_classes,
+#: recurse, ...)``. checked: 2.9.1, 2.13.0, 2.14.1
+wrap_module_cls_individually: Callable[..., bool] = _torch_name(
+    "torch.distributed.fsdp.wrap", "_wrap_module_cls_individually"
+)
+#: ``torch.distributed.fsdp.wrap._run_mixed_precision_override_policy(root_module,
+#: module_classes, ignored_modules, root_kwargs, target_module_to_kwargs)``.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+run_mixed_precision_override_policy: Callable[..., dict[nn.Module, dict[str, Any]]] = _torch_name(
+    "torch.distributed.fsdp.wrap", "_run_mixed_precision_override_policy"
+)
+#: ``torch.distributed.fsdp._common_utils._override_module_mixed_precision(root,
+#: module_classes_to_override)``: registers the float32 cast hooks, returns the classes.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+override_module_mixed_precision: Callable[..., set[type]] = _torch_name(
+    "torch.distributed.fsdp._common_utils", "_override_module_mixed_precision"
+)
+#: ``torch.distributed.fsdp._wrap_utils._warn_on_overridden_mixed_precision(classes)``.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+warn_on_overridden_mixed_precision: Callable[[set[type]], None] = _torch_name(
+    "torch.distributed.fsdp._wrap_utils", "_warn_on_overridden_mixed_precision"
+)
+
+
+def run_wrap_policy(
+    policy: Any,
+    root: nn.Module,
+    ignored_modules: set[nn.Module],
+    root_kwargs: dict[str, Any],
+) -> dict[nn.Module, dict[str, Any]]:
+    """``policy._run_policy(root, ignored_modules, root_kwargs)``: the modules a
+    :data:`WrapPolicy` selects, each with its unit kwargs.
+
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return policy._run_policy(root, ignored_modules, root_kwargs)
+
+
+def no_mixed_precision_classes(mixed_precision: MixedPrecision) -> tuple[type, ...]:
+    """``MixedPrecision._module_classes_to_ignore``: the module classes FSDP1's auto-wrap
+    keeps in full precision (batch norm by default).
+
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return tuple(mixed_precision._module_classes_to_ignore)
+
+
+#: ``ShardingStrategy._HYBRID_SHARD_ZERO2``. checked: 2.9.1, 2.13.0, 2.14.1
+HYBRID_SHARD_ZERO2: ShardingStrategy = ShardingStrategy._HYBRID_SHARD_ZERO2
+
+#: ``torch.distributed.algorithms._comm_hooks.default_hooks``: FSDP1's communication hooks
+#: (``DefaultState``, ``allreduce_hook``, ``reduce_scatter_hook``, ``fp16_compress_hook``,
+#: ``bf16_compress_hook``). checked: 2.9.1, 2.13.0, 2.14.1
+default_comm_hooks = _torch_name("torch.distributed.algorithms._comm_hooks", "default_hooks")
+
+#: ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper``: the base
+#: of ``checkpoint_wrapper``'s wrappers. checked: 2.9.1, 2.13.0, 2.14.1
+ActivationWrapper: type = _torch_name(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"
+)
+#: ``..._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``: the attribute an
+#: :data:`ActivationWrapper` keeps the wrapped module under. checked: 2.9.1, 2.13.0, 2.14.1
+CHECKPOINT_WRAPPED_MODULE: str = _torch_name(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_WRAPPED_MODULE"
+)
+
+
+# ---------------------------------------------------------------------------- fully_shard
+
+#: ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: the protocol of
+#: ``FSDPModule.set_custom_reduce_scatter`` (``allocate(size, *, dtype, device)``,
+#: ``__call__(output_tensor, input_tensor, group, op, async_op=False)``).
+#: checked: 2.9.1, 2.13.0, 2.14.1
+FullyShardReduceScatter: type = _torch_name(
+    "torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter"
+)
+#: ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo(mesh, shard_mesh_dim=...)``:
+#: a parameter group's mesh description (``mesh``, ``shard_mesh_dim``).
+#: checked: 2.9.1, 2.13.0, 2.14.1
+FullyShardMeshInfo: type = _torch_name(
+    "torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo"
+)
+
+
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """The parameter groups (``FSDPParamGroup``) ``fully_shard`` made for ``module``.
+
+    ``module._get_fsdp_state()`` holds them as ``_fsdp_param_groups`` (a list) from torch
+    2.12 on, and as ``_fsdp_param_group`` (one group or ``None``: ``fully_shard`` made at
+    most one group per module there) up to 2.11. Empty when ``fully_shard`` manages no
+    parameters of ``module`` itself. The groups' attributes the package reads or sets
+    (``mesh_info``, ``post_forward_mesh_info``, ``fsdp_params``, and per parameter
+    ``sharded_param``, ``padded_sharded_param_size``) are the same on every version.
+    checked: 2.9.1 (single), 2.13.0, 2.14.1 (list); sources of 2.10.0, 2.11.0 (single)
+    and 2.12.1 (list)
+    """
+    state = module._get_fsdp_state()
+    groups = vars(state).get("_fsdp_param_groups")
+    if groups is not None:
+        return list(groups)
+    if "_fsdp_param_group" not in vars(state):
+        raise AttributeError(
+            f"torch {torch.__version__}: fully_shard's state has neither _fsdp_param_groups "
+            f"nor _fsdp_param_group (fsdp_interactive/_torch_compat.py; checked on torch "
+            f"{', '.join(CHECKED_ON)})"
+        )
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def managed_parameters(module: nn.Module) -> Iterator[tuple[nn.Parameter, torch.Size]]:
+    """Each parameter ``fully_shard`` shards for ``module`` itself, with the padded size of
+    this rank's shard (``FSDPParam.sharded_param``, ``padded_sharded_param_size``).
+
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    for group in fsdp_param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            yield fsdp_param.sharded_param, fsdp_param.padded_sharded_param_size
+
+
+def training_state_name(module: nn.Module) -> str:
+    """The name of ``fully_shard``'s training state for ``module`` (``"IDLE"``,
+    ``"FORWARD"``, ``"PRE_BACKWARD"``, ``"POST_BACKWARD"``): ``_get_fsdp_state()._training_state``.
+
+    checked: 2.9.1, 2.13.0, 2.14.1 (the same four states on each)
+    """
+    return module._get_fsdp_state()._training_state.name
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+#: ``torch.distributed.checkpoint._traverse.set_element(root, path, value)``: set a value in
+#: a nested state dict by DCP object path. checked: 2.9.1, 2.13.0, 2.14.1
+set_element: Callable[..., None] = _torch_name(
+    "torch.distributed.checkpoint._traverse", "set_element"
+)
+#: ``torch.distributed.checkpoint.state_dict._get_fqns(model, name)``: the keys the DCP state
+#: dict helpers use for a parameter name. checked: 2.9.1, 2.13.0, 2.14.1
+get_fqns: Callable[..., set[str]] = _torch_name(
+    "torch.distributed.checkpoint.state_dict", "_get_fqns"
+)
+#: The method a module defines to tell :data:`get_fqns` which attribute levels do not appear
+#: in clean names (``_get_fqns``'s ``dsd_fqn_modifiers`` default).
+#: checked: 2.9.1, 2.13.0, 2.14.1
+FQN_MODIFIERS_METHOD = "_fqn_modifiers"
+
+#: The private globals DCP's pickled ``.metadata`` refers to, as (module, name) -> object:
+#: ``filesystem._StorageInfo``, ``serialization._get_layout``, ``metadata._MEM_FORMAT_ENCODING``.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _torch_name(
+        "torch.distributed.checkpoint.filesystem", "_StorageInfo"
+    ),
+    ("torch.serialization", "_get_layout"): _serialization_get_layout,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _torch_name(
+        "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"
+    ),
+}
+
+
+def _skips_missing_optimizer_state() -> bool:
+    """Whether torch's ``set_optimizer_state_dict`` passes over, under ``strict=False``, a
+    parameter the state dict has no state for: from 2.10 on (2.9 raises ``KeyError``)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    *,
+    options: Any = None,
+) -> None:
+    """torch's ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``, where
+    ``options.strict=False`` admits parameters without state on every admitted torch.
+
+    A parameter listed in ``optim_state_dict["param_groups"]`` without an entry in its
+    ``"state"`` (torch's optimizers create state lazily, on a parameter's first step) ends
+    with no state, as torch 2.10+ does by itself. torch 2.9 raises ``KeyError`` there: on
+    it, each such parameter gets an empty entry for the load, and its state is removed
+    from the optimizer after it, so the optimizer ends with the same state as on 2.10+.
+    checked: 2.9.1 (empty entries), 2.13.0, 2.14.1 (torch alone); sources of 2.10.0,
+    2.11.0, 2.12.1 (torch alone)
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        set_optimizer_state_dict as torch_set_optimizer_state_dict,
+    )
+
+    strict = True if options is None else options.strict
+    if strict or _skips_missing_optimizer_state() or "state" not in optim_state_dict:
+        torch_set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
+        return
+    state = optim_state_dict["state"]
+    listed = [key for group in optim_state_dict.get("param_groups", []) for key in group["params"]]
+    missing = {key for key in listed if key not in state}
+    if not missing:
+        torch_set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
+        return
+    params_by_key = {
+        key: param for name, param in model.named_parameters() for key in get_fqns(model, name)
+    }
+    padded = {**optim_state_dict, "state": {**state, **{key: {} for key in missing}}}
+    torch_set_optimizer_state_dict(model, optimizer, padded, options=options)
+    for key in missing:
+        param = params_by_key.get(key)
+        if param is not None:
+            optimizer.state.pop(param, None)
