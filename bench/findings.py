@@ -49,7 +49,7 @@ _DISPATCH_RAW = (
     "`DirectView.execute` 4.6-5.0 ms, `Pool.run` 6.5 ms before and 5.4-6.2 ms after a fix. "
     "cProfile showed `AsyncResult.metadata` (read for every rank on every pass of the wait "
     "loop) parsing each timestamp field with dateutil until all had arrived. Fixed in "
-    "`fsdp_interactive/pool/_pool.py`: the pool reads the received metadata dict, whose "
+    "`fsdp_interactive/pool/_output.py`: the pool reads the received metadata dict, whose "
     "output fields are all it needs. What remains is one `AsyncResult` per rank (the raw "
     "view makes one for all engines) and waiting for each rank's output to arrive after "
     "its reply. A `%%fsdp` cell adds IPython's cell machinery (transform, compile, "

@@ -2,19 +2,21 @@
 
 Torch promises nothing for names with a leading underscore, for public-looking names in
 private modules (``torch.distributed.fsdp._fully_shard``), or for attributes of private
-classes. The rest of the package reaches them only through the names below. Each entry
-says what it is, where torch keeps it and the torch versions it was checked on; where
-versions differ it has one branch per version, each doing the same thing.
+classes (``fully_shard``'s ``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``). The rest of
+the package reaches them only through the names below, so a torch upgrade touches this
+module alone. Each entry says what it is for, where torch keeps it and the torch versions
+it was checked on; where versions differ it has one branch per version, each doing the
+same thing.
 
-"Checked" below means: the package's tests ran on these torch releases (the PyPI wheels of
-2.9.1 and 2.14.1, the CPU build of 2.13.0). For the entries that differ between versions,
-the sources of 2.10.0, 2.11.0 and 2.12.1 were read as well, which is where the version
-boundaries given come from.
+"Checked" means: the package's tests ran on these torch releases (the PyPI wheels of 2.9.1
+and 2.14.1, the CPU build of 2.13.0). For the two entries that differ between versions the
+sources of 2.10.0, 2.11.0 and 2.12.1 were read as well; the version boundaries given come
+from there.
 
-``tests/test_torch_compat.py`` resolves every entry on the running torch (signatures and
-attributes included), so a torch release that moves one fails that test, naming the entry.
-A torch that lacks a name outright fails the import of this module with an ``ImportError``
-naming the torch name and this module.
+``tests/test_torch_compat.py`` exercises every entry on the running torch (signatures and
+attributes included), so a torch release that moves one fails the test named after it. A
+torch that lacks an imported name outright fails the import of this module with an
+``ImportError`` naming the torch name and this module.
 
 Not done: no entry substitutes an empty or default value for one torch has; an entry that
 cannot do its job on the running torch raises.
@@ -23,13 +25,16 @@ cannot do its job on the running torch raises.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.api import MixedPrecision, ShardingStrategy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 #: The torch releases the package's tests ran on (see the module docstring).
 CHECKED_ON = ("2.9.1", "2.13.0", "2.14.1")
@@ -48,8 +53,8 @@ def _torch_name(module: str, name: str) -> Any:
 
 # ---------------------------------------------------------------------------- torch core
 
-#: ``torch._utils._flatten_dense_tensors``: one flat tensor from many (a broadcast bucket).
-#: checked: 2.9.1, 2.13.0, 2.14.1
+#: ``torch._utils._flatten_dense_tensors``: one flat tensor from many (sync_module_states
+#: broadcasts one bucket per dtype). checked: 2.9.1, 2.13.0, 2.14.1
 flatten_dense_tensors: Callable[..., torch.Tensor] = _torch_name(
     "torch._utils", "_flatten_dense_tensors"
 )
@@ -58,15 +63,21 @@ flatten_dense_tensors: Callable[..., torch.Tensor] = _torch_name(
 unflatten_dense_tensors: Callable[..., tuple[torch.Tensor, ...]] = _torch_name(
     "torch._utils", "_unflatten_dense_tensors"
 )
-#: ``torch._foreach_norm(tensors, ord, dtype=None)``: one norm per tensor in one kernel call.
-#: checked: 2.9.1, 2.13.0, 2.14.1
-foreach_norm: Callable[..., list[torch.Tensor]] = _torch_name("torch", "_foreach_norm")
-#: ``torch.utils._pytree.tree_map``: map a function over the leaves of nested containers.
-#: checked: 2.9.1, 2.13.0, 2.14.1 (no public ``torch.utils.pytree`` in any of them)
-tree_map: Callable[..., Any] = _torch_name("torch.utils._pytree", "tree_map")
-#: ``torch.serialization._get_layout``: a global that DCP's pickled metadata refers to.
-#: checked: 2.9.1, 2.13.0, 2.14.1
-_serialization_get_layout = _torch_name("torch.serialization", "_get_layout")
+#: ``torch.utils._pytree.tree_map``: map over nested (args, kwargs) structures (casting root
+#: forward inputs). checked: 2.9.1, 2.13.0, 2.14.1 (none has a public ``torch.utils.pytree``)
+map_tree: Callable[..., Any] = _torch_name("torch.utils._pytree", "tree_map")
+
+
+def foreach_norm(
+    tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """One norm per tensor in a single fused call (``torch._foreach_norm``).
+
+    checked: 2.9.1, 2.13.0, 2.14.1 (the ``dtype`` keyword on each)
+    """
+    if dtype is None:
+        return list(torch._foreach_norm(tensors, norm_type))
+    return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
 
 
 # ---------------------------------------------------------------------------- nn.Module
@@ -75,8 +86,8 @@ _serialization_get_layout = _torch_name("torch.serialization", "_get_layout")
 #: ``get_extra_state``. checked: 2.9.1, 2.13.0, 2.14.1
 EXTRA_STATE_KEY_SUFFIX: str = _torch_name("torch.nn.modules.module", "_EXTRA_STATE_KEY_SUFFIX")
 
-#: The hook dictionaries ``nn.Module.__init__`` creates (``_forward_pre_hooks``, ...): what a
-#: rollback of a failed wrap restores. checked: 2.9.1, 2.13.0, 2.14.1 (all eleven on each)
+#: The hook registries ``nn.Module.__init__`` creates: what the rollback of a failed wrap
+#: restores. checked: 2.9.1, 2.13.0, 2.14.1 (these eleven on each, and no other)
 MODULE_HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -119,13 +130,11 @@ def submodule_slots(module: nn.Module) -> dict[str, nn.Module | None]:
     return vars(module).get("_modules", {})
 
 
-def apply_to_own_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """``module._apply(fn, recurse=False)``: ``fn`` on the module's own parameters and buffers.
-
-    What ``module.to()`` does, without descending into children.
-    checked: 2.9.1, 2.13.0, 2.14.1
+def move_own_states(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s own parameters and buffers (not its submodules') to ``device``
+    (``nn.Module._apply`` without recursion). checked: 2.9.1, 2.13.0, 2.14.1
     """
-    module._apply(fn, recurse=False)
+    module._apply(lambda t: t.to(device), recurse=False)
 
 
 # ---------------------------------------------------------------------------- DTensor
@@ -133,45 +142,51 @@ def apply_to_own_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.T
 _compute_local_shape_and_global_offset = _torch_name(
     "torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset"
 )
-#: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset(global_shape,
-#: mesh, placements)``: this rank's local shape and global offset.
-#: checked: 2.9.1, 2.13.0, 2.14.1 (2.13 adds a ``skip_offset`` keyword, not used here)
-compute_local_shape_and_global_offset: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]] = (
-    _torch_name("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+_compute_local_shape_and_global_offset_here = _torch_name(
+    "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"
 )
 
 
-def compute_local_shape_and_global_offset_at(
-    global_shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    coordinate: list[int],
-    placements: Any,
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard (no autograd), else ``tensor``.
+
+    Reads ``DTensor._local_tensor``: ``to_local()`` goes through an autograd function on
+    every call, which dominates a probe over a few hundred parameters, and returns a view
+    rather than the stored tensor. checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    coordinate: Sequence[int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Local shape and global offset of the piece held at ``coordinate`` of a mesh of
-    ``mesh_shape`` (any rank's piece, not only this rank's).
+    """Shape and global offset of the piece of a ``global_shape`` tensor sharded by
+    ``placements`` over ``mesh`` that the rank at ``coordinate`` of the mesh holds.
 
-    ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``.
-    checked: 2.9.1, 2.13.0, 2.14.1 (a list coordinate on each)
+    ``coordinate=None``: this rank (which must belong to ``mesh``). Shapes are unpadded.
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (this rank)
+    and ``_compute_local_shape_and_global_offset`` (any coordinate, given as a list).
+    checked: 2.9.1, 2.13.0, 2.14.1 (2.13 adds a ``skip_offset`` keyword, not used here)
     """
-    return _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
-
-
-def dtensor_local_tensor(tensor: DTensor) -> torch.Tensor:
-    """``DTensor._local_tensor``: this rank's shard itself.
-
-    What ``to_local()`` returns, without its autograd function (which costs more than the
-    read for small tensors, and returns a view rather than the stored tensor).
-    checked: 2.9.1, 2.13.0, 2.14.1
-    """
-    return tensor._local_tensor
+    if coordinate is None:
+        shape, offset = _compute_local_shape_and_global_offset_here(global_shape, mesh, placements)
+    else:
+        shape, offset = _compute_local_shape_and_global_offset(
+            global_shape, tuple(mesh.shape), list(coordinate), placements
+        )
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 
 
 # ---------------------------------------------------------------------------- FSDP1 names
 
 #: ``torch.distributed.fsdp.wrap._Policy``: the base of ``ModuleWrapPolicy`` and
 #: ``CustomPolicy``. checked: 2.9.1, 2.13.0, 2.14.1
-WrapPolicy: type = _torch_name("torch.distributed.fsdp.wrap", "_Policy")
-#: ``torch.distributed.fsdp.wrap._or_policy(module, recurse, nonwrapped_numel, policies)``.
+Policy: type = _torch_name("torch.distributed.fsdp.wrap", "_Policy")
+#: ``torch.distributed.fsdp.wrap._or_policy(module, recurse, nonwrapped_numel, policies)``:
+#: FSDP1's auto-wrap adds the mixed-precision override classes to a callable policy with it.
 #: checked: 2.9.1, 2.13.0, 2.14.1
 or_policy: Callable[..., bool] = _torch_name("torch.distributed.fsdp.wrap", "_or_policy")
 #: ``torch.distributed.fsdp.wrap._wrap_module_cls_individually(module, module_classes,
@@ -198,44 +213,39 @@ warn_on_overridden_mixed_precision: Callable[[set[type]], None] = _torch_name(
 )
 
 
-def run_wrap_policy(
-    policy: Any,
-    root: nn.Module,
-    ignored_modules: set[nn.Module],
-    root_kwargs: dict[str, Any],
-) -> dict[nn.Module, dict[str, Any]]:
-    """``policy._run_policy(root, ignored_modules, root_kwargs)``: the modules a
-    :data:`WrapPolicy` selects, each with its unit kwargs.
-
-    checked: 2.9.1, 2.13.0, 2.14.1
+def run_policy(
+    policy: Any, root: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict
+) -> dict[nn.Module, dict]:
+    """The modules ``policy`` wraps under ``root`` with their constructor keywords
+    (``_Policy._run_policy``, what FSDP1's auto-wrap calls). checked: 2.9.1, 2.13.0, 2.14.1
     """
     return policy._run_policy(root, ignored_modules, root_kwargs)
 
 
-def no_mixed_precision_classes(mixed_precision: MixedPrecision) -> tuple[type, ...]:
-    """``MixedPrecision._module_classes_to_ignore``: the module classes FSDP1's auto-wrap
-    keeps in full precision (batch norm by default).
-
-    checked: 2.9.1, 2.13.0, 2.14.1
+def module_classes_without_mixed_precision(mp: MixedPrecision) -> tuple[type, ...]:
+    """The module classes FSDP1 keeps in full precision under ``mp`` (batch norm by default):
+    ``MixedPrecision._module_classes_to_ignore``. checked: 2.9.1, 2.13.0, 2.14.1
     """
-    return tuple(mixed_precision._module_classes_to_ignore)
+    return tuple(mp._module_classes_to_ignore)
 
 
-#: ``ShardingStrategy._HYBRID_SHARD_ZERO2``. checked: 2.9.1, 2.13.0, 2.14.1
+#: ``ShardingStrategy._HYBRID_SHARD_ZERO2``: a private member of the public enum, accepted as
+#: FSDP1 does. checked: 2.9.1, 2.13.0, 2.14.1
 HYBRID_SHARD_ZERO2: ShardingStrategy = ShardingStrategy._HYBRID_SHARD_ZERO2
 
-#: ``torch.distributed.algorithms._comm_hooks.default_hooks``: FSDP1's communication hooks
-#: (``DefaultState``, ``allreduce_hook``, ``reduce_scatter_hook``, ``fp16_compress_hook``,
-#: ``bf16_compress_hook``). checked: 2.9.1, 2.13.0, 2.14.1
-default_comm_hooks = _torch_name("torch.distributed.algorithms._comm_hooks", "default_hooks")
+#: ``torch.distributed.algorithms._comm_hooks.default_hooks``: torch's FSDP1 communication
+#: hooks (``DefaultState``, ``allreduce_hook``, ``reduce_scatter_hook``,
+#: ``fp16_compress_hook``, ``bf16_compress_hook``). checked: 2.9.1, 2.13.0, 2.14.1
+default_hooks = _torch_name("torch.distributed.algorithms._comm_hooks", "default_hooks")
 
 #: ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper``: the base
-#: of ``checkpoint_wrapper``'s wrappers. checked: 2.9.1, 2.13.0, 2.14.1
+#: of activation checkpointing's wrappers. checked: 2.9.1, 2.13.0, 2.14.1
 ActivationWrapper: type = _torch_name(
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"
 )
-#: ``..._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``: the attribute an
-#: :data:`ActivationWrapper` keeps the wrapped module under. checked: 2.9.1, 2.13.0, 2.14.1
+#: ``..._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``: the attribute of a
+#: checkpoint wrapper holding the wrapped module, so clean names and
+#: ``FullyShardedDataParallel.module`` see through it. checked: 2.9.1, 2.13.0, 2.14.1
 CHECKPOINT_WRAPPED_MODULE: str = _torch_name(
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_WRAPPED_MODULE"
 )
@@ -243,32 +253,25 @@ CHECKPOINT_WRAPPED_MODULE: str = _torch_name(
 
 # ---------------------------------------------------------------------------- fully_shard
 
-#: ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: the protocol of
-#: ``FSDPModule.set_custom_reduce_scatter`` (``allocate(size, *, dtype, device)``,
-#: ``__call__(output_tensor, input_tensor, group, op, async_op=False)``).
-#: checked: 2.9.1, 2.13.0, 2.14.1
-FullyShardReduceScatter: type = _torch_name(
-    "torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter"
-)
-#: ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo(mesh, shard_mesh_dim=...)``:
-#: a parameter group's mesh description (``mesh``, ``shard_mesh_dim``).
-#: checked: 2.9.1, 2.13.0, 2.14.1
-FullyShardMeshInfo: type = _torch_name(
-    "torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo"
-)
+#: ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: the interface a custom
+#: reduce-scatter implements (``FSDPModule.set_custom_reduce_scatter``): ``allocate(size, *,
+#: dtype, device)`` and ``__call__(output_tensor, input_tensor, group, op, async_op=False)``,
+#: called with keywords. checked: 2.9.1, 2.13.0, 2.14.1
+ReduceScatter: type = _torch_name("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter")
+_FSDPMeshInfo = _torch_name("torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo")
 
 
-def fsdp_param_groups(module: nn.Module) -> list[Any]:
-    """The parameter groups (``FSDPParamGroup``) ``fully_shard`` made for ``module``.
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
+    """The parameter groups (``FSDPParamGroup``) ``fully_shard`` made for ``module`` itself.
 
     ``module._get_fsdp_state()`` holds them as ``_fsdp_param_groups`` (a list) from torch
     2.12 on, and as ``_fsdp_param_group`` (one group or ``None``: ``fully_shard`` made at
     most one group per module there) up to 2.11. Empty when ``fully_shard`` manages no
-    parameters of ``module`` itself. The groups' attributes the package reads or sets
-    (``mesh_info``, ``post_forward_mesh_info``, ``fsdp_params``, and per parameter
-    ``sharded_param``, ``padded_sharded_param_size``) are the same on every version.
-    checked: 2.9.1 (single), 2.13.0, 2.14.1 (list); sources of 2.10.0, 2.11.0 (single)
-    and 2.12.1 (list)
+    parameter of ``module`` itself. The group attributes read or set here (``mesh_info``,
+    ``post_forward_mesh_info``, ``fsdp_params``; per parameter ``sharded_param``,
+    ``padded_sharded_param_size``) are the same on every version.
+    checked: 2.9.1 (one group), 2.13.0, 2.14.1 (list); sources: 2.10.0, 2.11.0 (one group),
+    2.12.1 (list)
     """
     state = module._get_fsdp_state()
     groups = vars(state).get("_fsdp_param_groups")
@@ -284,22 +287,50 @@ def fsdp_param_groups(module: nn.Module) -> list[Any]:
     return [] if group is None else [group]
 
 
-def managed_parameters(module: nn.Module) -> Iterator[tuple[nn.Parameter, torch.Size]]:
-    """Each parameter ``fully_shard`` shards for ``module`` itself, with the padded size of
-    this rank's shard (``FSDPParam.sharded_param``, ``padded_sharded_param_size``).
+def has_sharded_params(module: FSDPModule) -> bool:
+    """Whether ``fully_shard`` manages any parameter of ``module`` (it has a parameter group)."""
+    return bool(fsdp_param_groups(module))
 
-    checked: 2.9.1, 2.13.0, 2.14.1
+
+def reduce_over_shard_dim_only(module: FSDPModule) -> None:
+    """Make ``module``'s parameter groups reduce gradients over the shard dimension only.
+
+    For a NO_SHARD unit (a ``(replicas, 1)`` mesh) this turns off ``fully_shard``'s
+    all-reduce over the replicate dimension, so a communication hook can do it instead:
+    each group's ``mesh_info`` (and ``post_forward_mesh_info`` where it is the same object)
+    becomes an ``FSDPMeshInfo(mesh, shard_mesh_dim=...)`` of the same mesh (``FSDPMeshInfo``
+    from ``torch.distributed.fsdp._fully_shard._fsdp_common``). checked: 2.9.1, 2.13.0,
+    2.14.1
     """
     for group in fsdp_param_groups(module):
-        for fsdp_param in group.fsdp_params:
-            yield fsdp_param.sharded_param, fsdp_param.padded_sharded_param_size
+        old = group.mesh_info
+        shard_only = _FSDPMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim)
+        if group.post_forward_mesh_info is old:
+            group.post_forward_mesh_info = shard_only
+        group.mesh_info = shard_only
 
 
-def training_state_name(module: nn.Module) -> str:
-    """The name of ``fully_shard``'s training state for ``module`` (``"IDLE"``,
-    ``"FORWARD"``, ``"PRE_BACKWARD"``, ``"POST_BACKWARD"``): ``_get_fsdp_state()._training_state``.
+def padded_shard_numels(module: nn.Module) -> dict[int, int]:
+    """id(sharded parameter) -> elements ``fully_shard`` stores for it on this rank (padded),
+    for every ``FSDPModule`` under ``module`` (``FSDPParam.sharded_param``,
+    ``padded_sharded_param_size``). checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    sizes: dict[int, int] = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        for group in fsdp_param_groups(sub):
+            for fsdp_param in group.fsdp_params:
+                sizes[id(fsdp_param.sharded_param)] = math.prod(
+                    fsdp_param.padded_sharded_param_size
+                )
+    return sizes
 
-    checked: 2.9.1, 2.13.0, 2.14.1 (the same four states on each)
+
+def training_state_name(module: FSDPModule) -> str:
+    """``fully_shard``'s training state of ``module``: ``"IDLE"``, ``"FORWARD"``,
+    ``"PRE_BACKWARD"`` or ``"POST_BACKWARD"`` (``_get_fsdp_state()._training_state``).
+    checked: 2.9.1, 2.13.0, 2.14.1 (these four states on each)
     """
     return module._get_fsdp_state()._training_state.name
 
@@ -316,8 +347,8 @@ set_element: Callable[..., None] = _torch_name(
 get_fqns: Callable[..., set[str]] = _torch_name(
     "torch.distributed.checkpoint.state_dict", "_get_fqns"
 )
-#: The method a module defines to tell :data:`get_fqns` which attribute levels do not appear
-#: in clean names (``_get_fqns``'s ``dsd_fqn_modifiers`` default).
+#: The method through which a module tells :data:`get_fqns` which attribute levels do not
+#: appear in clean names (``_get_fqns``'s ``dsd_fqn_modifiers`` default).
 #: checked: 2.9.1, 2.13.0, 2.14.1
 FQN_MODIFIERS_METHOD = "_fqn_modifiers"
 
@@ -325,13 +356,12 @@ FQN_MODIFIERS_METHOD = "_fqn_modifiers"
 #: ``filesystem._StorageInfo``, ``serialization._get_layout``, ``metadata._MEM_FORMAT_ENCODING``.
 #: checked: 2.9.1, 2.13.0, 2.14.1
 DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _torch_name(
-        "torch.distributed.checkpoint.filesystem", "_StorageInfo"
-    ),
-    ("torch.serialization", "_get_layout"): _serialization_get_layout,
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _torch_name(
-        "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"
-    ),
+    (module, name): _torch_name(module, name)
+    for module, name in (
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    )
 }
 
 
@@ -356,7 +386,7 @@ def set_optimizer_state_dict(
     with no state, as torch 2.10+ does by itself. torch 2.9 raises ``KeyError`` there: on
     it, each such parameter gets an empty entry for the load, and its state is removed
     from the optimizer after it, so the optimizer ends with the same state as on 2.10+.
-    checked: 2.9.1 (empty entries), 2.13.0, 2.14.1 (torch alone); sources of 2.10.0,
+    checked: 2.9.1 (empty entries), 2.13.0, 2.14.1 (torch alone); sources: 2.10.0,
     2.11.0, 2.12.1 (torch alone)
     """
     from torch.distributed.checkpoint.state_dict import (
@@ -364,13 +394,10 @@ def set_optimizer_state_dict(
     )
 
     strict = True if options is None else options.strict
-    if strict or _skips_missing_optimizer_state() or "state" not in optim_state_dict:
-        torch_set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
-        return
-    state = optim_state_dict["state"]
+    state = optim_state_dict.get("state")
     listed = [key for group in optim_state_dict.get("param_groups", []) for key in group["params"]]
-    missing = {key for key in listed if key not in state}
-    if not missing:
+    missing = set() if state is None else {key for key in listed if key not in state}
+    if strict or not missing or _skips_missing_optimizer_state():
         torch_set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
         return
     params_by_key = {

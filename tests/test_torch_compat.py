@@ -38,14 +38,15 @@ def test_foreach_norm_matches_vector_norm_and_takes_a_dtype():
     tensors = [torch.tensor([3.0, 4.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])]
     for ord_ in (2.0, 1.0, float("inf")):
         got = compat.foreach_norm(tensors, ord_)
+        assert isinstance(got, list)
         want = [torch.linalg.vector_norm(t, ord_) for t in tensors]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     wide = compat.foreach_norm([t.half() for t in tensors], 2.0, dtype=torch.float64)
     assert [float(n) for n in wide] == [5.0, 2.0] and wide[0].dtype == torch.float64
 
 
-def test_tree_map_maps_nested_leaves():
-    assert compat.tree_map(lambda x: x * 2, {"a": [1, (2, 3)]}) == {"a": [2, (4, 6)]}
+def test_map_tree_maps_nested_leaves():
+    assert compat.map_tree(lambda x: x * 2, {"a": [1, (2, 3)]}) == {"a": [2, (4, 6)]}
 
 
 # ---------------------------------------------------------------------------- nn.Module
@@ -78,12 +79,12 @@ def test_submodule_slots_of_a_module_before_its_init_is_empty():
     assert compat.submodule_slots(nn.Linear.__new__(nn.Linear)) == {}
 
 
-def test_apply_to_own_tensors_leaves_children_alone():
+def test_move_own_states_leaves_children_alone():
     module = _Parent()
     child_weight = module.child.weight
-    compat.apply_to_own_tensors(module, lambda t: t.to(torch.float64))
-    assert module.w.dtype == module.b.dtype == torch.float64
-    assert module.child.weight is child_weight and child_weight.dtype == torch.float32
+    compat.move_own_states(module, torch.device("meta"))
+    assert module.w.device.type == module.b.device.type == "meta"
+    assert module.child.weight is child_weight and child_weight.device.type == "cpu"
 
 
 def test_module_hook_dicts_are_every_hook_registry_of_a_module():
@@ -106,25 +107,16 @@ def test_extra_state_key_suffix_is_the_state_dict_key_of_extra_state():
 # ---------------------------------------------------------------------------- DTensor
 
 
-def test_local_shape_and_offset_at_a_coordinate():
-    from torch.distributed.tensor import Replicate, Shard
-
-    at = compat.compute_local_shape_and_global_offset_at
-    assert at((5, 3), (2,), [0], [Shard(0)]) == ((3, 3), (0, 0))
-    assert at((5, 3), (2,), [1], [Shard(0)]) == ((2, 3), (3, 0))
-    assert at((5, 3), (2, 2), [1, 1], [Replicate(), Shard(1)]) == ((5, 1), (0, 2))
-
-
 # ---------------------------------------------------------------------------- FSDP1 names
 
 
-def test_wrap_policy_is_the_base_of_torchs_policies_and_runs_them():
+def test_policy_is_the_base_of_torchs_policies_and_runs_them():
     from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
-    assert issubclass(ModuleWrapPolicy, compat.WrapPolicy)
-    assert issubclass(CustomPolicy, compat.WrapPolicy)
+    assert issubclass(ModuleWrapPolicy, compat.Policy)
+    assert issubclass(CustomPolicy, compat.Policy)
     root = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    chosen = compat.run_wrap_policy(ModuleWrapPolicy({nn.Linear}), root, set(), {"x": 1})
+    chosen = compat.run_policy(ModuleWrapPolicy({nn.Linear}), root, set(), {"x": 1})
     assert {root[0], root[2]} <= set(chosen) and root[1] not in chosen
     assert chosen[root[0]] == {"x": 1}
 
@@ -144,10 +136,12 @@ def test_mixed_precision_override_helpers():
     from torch.distributed.fsdp.api import MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    classes = compat.no_mixed_precision_classes(MixedPrecision(param_dtype=torch.bfloat16))
+    classes = compat.module_classes_without_mixed_precision(
+        MixedPrecision(param_dtype=torch.bfloat16)
+    )
     assert any(issubclass(nn.BatchNorm1d, c) for c in classes)
     root = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    chosen = compat.run_wrap_policy(ModuleWrapPolicy({nn.Linear}), root, set(), {})
+    chosen = compat.run_policy(ModuleWrapPolicy({nn.Linear}), root, set(), {})
     chosen = compat.run_mixed_precision_override_policy(root, classes, set(), {}, chosen)
     assert chosen[root[1]]["mixed_precision"] is None
     overridden = compat.override_module_mixed_precision(root, classes)
@@ -178,10 +172,8 @@ def test_hybrid_shard_zero2_is_a_sharding_strategy():
     ],
 )
 def test_default_comm_hooks_have_fsdp1s_signatures(hook, parameters):
-    assert list(inspect.signature(getattr(compat.default_comm_hooks, hook)).parameters) == (
-        parameters
-    )
-    assert inspect.isclass(compat.default_comm_hooks.DefaultState)
+    assert list(inspect.signature(getattr(compat.default_hooks, hook)).parameters) == (parameters)
+    assert inspect.isclass(compat.default_hooks.DefaultState)
 
 
 def test_activation_wrapper_keeps_the_module_under_its_attribute():
@@ -201,10 +193,10 @@ def test_reduce_scatter_protocol_matches_the_hook_runner():
     """fully_shard calls a custom reduce-scatter with these keywords."""
     from fsdp_interactive.fsdp._comm_hooks import HookReduceScatter
 
-    call = inspect.signature(compat.FullyShardReduceScatter.__call__).parameters
+    call = inspect.signature(compat.ReduceScatter.__call__).parameters
     assert list(call) == ["self", "output_tensor", "input_tensor", "group", "op", "async_op"]
     assert list(inspect.signature(HookReduceScatter.__call__).parameters) == list(call)
-    allocate = inspect.signature(compat.FullyShardReduceScatter.allocate).parameters
+    allocate = inspect.signature(compat.ReduceScatter.allocate).parameters
     assert list(allocate) == ["self", "size", "dtype", "device"]
 
 
@@ -212,7 +204,6 @@ def _fully_shard_probe() -> dict:
     """On each rank: what the fully_shard entries read from a two-level model."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
     rank = dist.get_rank()
     seen_in_forward: list[str] = []
@@ -229,48 +220,54 @@ def _fully_shard_probe() -> dict:
     fully_shard(root)
     root(torch.ones(1, 3)).sum().backward()
 
-    groups = compat.fsdp_param_groups(leaf)
-    group = groups[0]
-    shard_only = compat.FullyShardMeshInfo(
-        group.mesh_info.mesh, shard_mesh_dim=group.mesh_info.shard_mesh_dim
-    )
-    weight = leaf.weight
-    local = compat.dtensor_local_tensor(weight)
-    return {
+    weight, bias = leaf.weight, leaf.bias
+    local = compat.local_tensor(weight)
+    plain = torch.ones(2)
+    (group,) = compat.fsdp_param_groups(leaf)
+    mesh = weight.device_mesh
+    result = {
         "root_groups": len(compat.fsdp_param_groups(root)),
-        "leaf_groups": len(groups),
-        "managed_are_own_params": [id(p) for p, _ in compat.managed_parameters(leaf)]
-        == [id(p) for p in leaf.parameters()],
-        "padded_sizes": [tuple(size) for _, size in compat.managed_parameters(leaf)],
-        "has_post_forward_mesh_info": hasattr(group, "post_forward_mesh_info"),
-        "shard_only_dim": shard_only.shard_mesh_dim,
+        "has_sharded_params": (compat.has_sharded_params(root), compat.has_sharded_params(leaf)),
+        "group_params_are_the_leafs": [p.sharded_param for p in group.fsdp_params]
+        == [weight, bias],
+        "padded": compat.padded_shard_numels(root) == {id(weight): 9, id(bias): 3},
         "idle": compat.training_state_name(leaf),
         "in_forward": seen_in_forward,
-        "local_is_to_local": local.data_ptr() == weight.to_local().data_ptr()
-        and local.shape == weight.to_local().shape
-        and type(local) is torch.Tensor,
-        "local_shape_and_offset": compat.compute_local_shape_and_global_offset(
-            weight.shape, weight.device_mesh, weight.placements
-        ),
-        "placements_are_shard0": tuple(weight.placements) == (Shard(0),),
+        "local_is_the_stored_shard": type(local) is torch.Tensor
+        and local.data_ptr() == weight.to_local().data_ptr()
+        and local.shape == weight.to_local().shape,
+        "plain_passes_through": compat.local_tensor(plain) is plain,
+        "here": compat.local_shape_and_offset(weight.shape, mesh, weight.placements),
+        "at": [
+            compat.local_shape_and_offset(weight.shape, mesh, weight.placements, [c])
+            for c in (0, 1)
+        ],
         "rank": rank,
     }
+    old = group.mesh_info
+    compat.reduce_over_shard_dim_only(leaf)
+    result["shard_only"] = (
+        group.mesh_info is not old
+        and group.mesh_info.mesh is old.mesh
+        and group.mesh_info.shard_mesh_dim == old.shard_mesh_dim
+        and group.post_forward_mesh_info in (None, group.mesh_info)
+    )
+    return result
 
 
 def test_fully_shard_state_entries(ranks2):
     for r in ranks2.run(_fully_shard_probe):
         assert r["root_groups"] == 0  # the root's only parameters belong to the leaf
-        assert r["leaf_groups"] == 1
-        assert r["managed_are_own_params"]
-        assert r["padded_sizes"] == [(3, 3), (3,)]
-        assert r["has_post_forward_mesh_info"]
-        assert r["shard_only_dim"] == 0
+        assert r["has_sharded_params"] == (False, True)
+        assert r["group_params_are_the_leafs"]
+        assert r["padded"]
         assert r["idle"] == "IDLE"
         assert r["in_forward"] == ["FORWARD"]
-        assert r["local_is_to_local"]
-        assert r["placements_are_shard0"]
-        want = ((3, 3), (0, 0)) if r["rank"] == 0 else ((2, 3), (3, 0))
-        assert tuple(map(tuple, r["local_shape_and_offset"])) == want
+        assert r["local_is_the_stored_shard"]
+        assert r["plain_passes_through"]
+        assert r["here"] == (((3, 3), (0, 0)) if r["rank"] == 0 else ((2, 3), (3, 0)))
+        assert r["at"] == [((3, 3), (0, 0)), ((2, 3), (3, 0))]
+        assert r["shard_only"]
 
 
 # ---------------------------------------------------------------------------- checkpoints

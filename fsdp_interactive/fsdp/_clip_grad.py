@@ -22,20 +22,14 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_interactive._torch_compat import dtensor_local_tensor
-
-if TYPE_CHECKING:
-    from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return dtensor_local_tensor(t) if isinstance(t, DTensor) else t
+from fsdp_interactive._torch_compat import local_tensor
+from fsdp_interactive.fsdp._unit_state import require_state
 
 
 def _check_args(max_norm: object, norm_type: object) -> float:
@@ -55,11 +49,10 @@ def _check_args(max_norm: object, norm_type: object) -> float:
 
 
 @torch.no_grad()
-def clip_grad_norm(
-    root: FullyShardedDataParallel, max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
+def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of the parameters under the unit ``root``; the total norm."""
     p = _check_args(max_norm, norm_type)
-    device = root.compute_device
+    device = require_state(root).config.device
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
     seen: set[int] = set()
     for param in root.parameters():
@@ -77,7 +70,7 @@ def clip_grad_norm(
     grads: list[torch.Tensor] = []
     combined = torch.zeros((), dtype=torch.float32, device=device)
     for key, (mesh, dims, *params) in groups.items():
-        local_grads = [_local(q.grad) for q in params if q.grad is not None]
+        local_grads = [local_tensor(q.grad) for q in params if q.grad is not None]
         grads.extend(q.grad for q in params if q.grad is not None)
         part = _local_part(local_grads, p, device)
         if key[0] == "dtensor":
@@ -98,7 +91,7 @@ def clip_grad_norm(
         return total
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for grad in grads:
-        local = _local(grad)
+        local = local_tensor(grad)
         local.mul_(coef.to(local.device, local.dtype))
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
     return total.to(dtype)

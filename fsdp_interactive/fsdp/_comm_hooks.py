@@ -11,7 +11,7 @@ division of its own (the hook divides, e.g. through ``DefaultState``):
 * NO_SHARD units: ``hook(state, grad)`` reduces the whole local gradient in place. The NO_SHARD
   mesh has a shard dimension of size one, so the reduce-scatter is a copy and the engine's
   native all-reduce over the replicate dimension would follow. The unit's parameter group
-  is switched to a shard-only view of the same mesh (the native all-reduce no longer runs)
+  is switched to a shard-only view of the same mesh (so the native all-reduce does not run)
   and the hook runs as its all-reduce hook (``set_all_reduce_hook``). This relies on
   ``fully_shard``'s parameter-group internals (``mesh_info``), checked by the tests.
 
@@ -28,28 +28,26 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp.api import ShardingStrategy
 
 from fsdp_interactive._torch_compat import (
-    FullyShardMeshInfo,
-    FullyShardReduceScatter,
-    default_comm_hooks,
-    fsdp_param_groups,
+    ReduceScatter,
+    default_hooks,
+    has_sharded_params,
+    reduce_over_shard_dim_only,
 )
 from fsdp_interactive.fsdp._mesh import HYBRID_STRATEGIES
-from fsdp_interactive.fsdp._traversal import units
-
-if TYPE_CHECKING:
-    from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp_interactive.fsdp._traversal import check_idle, unit_states
+from fsdp_interactive.fsdp._unit_state import require_state
 
 
 def low_precision_hook(
     dtype: torch.dtype,
-    state: default_comm_hooks.DefaultState,
+    state: default_hooks.DefaultState,
     grad: torch.Tensor,
     output: torch.Tensor | None = None,
 ) -> None:
@@ -60,17 +58,17 @@ def low_precision_hook(
     """
     low = grad.to(dtype)
     if output is None:
-        default_comm_hooks.allreduce_hook(state, low)
+        default_hooks.allreduce_hook(state, low)
         grad.copy_(low)
     else:
         low_out = torch.empty_like(output, dtype=dtype)
-        default_comm_hooks.reduce_scatter_hook(state, low, low_out)
+        default_hooks.reduce_scatter_hook(state, low, low_out)
         output.copy_(low_out)
 
 
 _CPU_REPLACEMENTS = {
-    default_comm_hooks.fp16_compress_hook: functools.partial(low_precision_hook, torch.float16),
-    default_comm_hooks.bf16_compress_hook: functools.partial(low_precision_hook, torch.bfloat16),
+    default_hooks.fp16_compress_hook: functools.partial(low_precision_hook, torch.float16),
+    default_hooks.bf16_compress_hook: functools.partial(low_precision_hook, torch.bfloat16),
 }
 
 
@@ -81,7 +79,7 @@ def _for_device(hook: Callable[..., None], device: torch.device) -> Callable[...
     return hook
 
 
-class HookReduceScatter(FullyShardReduceScatter):
+class HookReduceScatter(ReduceScatter):
     """A ``fully_shard`` reduce-scatter that calls an FSDP1 hook ``hook(state, grad, output)``.
 
     ``calls`` counts invocations (the reduction really went through the hook).
@@ -122,48 +120,36 @@ class HookAllReduce:
         self.hook(self.state, reduce_output)
 
 
-def _route_no_shard_through_hook(unit: FullyShardedDataParallel, runner: HookAllReduce) -> None:
-    inner = unit.fsdp_module
-    for group in fsdp_param_groups(inner):
-        old = group.mesh_info
-        shard_only = FullyShardMeshInfo(old.mesh, shard_mesh_dim=old.shard_mesh_dim)
-        if group.post_forward_mesh_info is old:
-            group.post_forward_mesh_info = shard_only
-        group.mesh_info = shard_only
-    inner.set_all_reduce_hook(runner)
-
-
-def register_comm_hook(
-    root: FullyShardedDataParallel, state: object, hook: Callable[..., None]
-) -> None:
-    """Install ``hook`` on every unit of ``root`` (see the module docstring)."""
-    if not root.check_is_root():
+def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., None]) -> None:
+    """Install ``hook`` on every unit of the unit ``root`` (see the module docstring)."""
+    root_state = require_state(root)
+    if not root_state.is_root:
         raise RuntimeError("register_comm_hook can only be called on the root FSDP unit")
     if not callable(hook):
         raise ValueError(f"hook must be callable, got {type(hook).__name__}")
-    all_units = units(root)
+    all_units = unit_states(root)
     for unit in all_units:
-        if unit.sharding_strategy in HYBRID_STRATEGIES:
+        if unit.config.sharding_strategy in HYBRID_STRATEGIES:
             raise NotImplementedError(
                 f"communication hooks are not supported for hybrid strategies "
-                f"({unit.sharding_strategy.name}), as in FSDP1"
+                f"({unit.config.sharding_strategy.name}), as in FSDP1"
             )
-        if unit._comm_hook is not None:
+        if unit.comm_hook is not None:
             raise RuntimeError("a communication hook is already registered on this model")
-    root._check_idle("register_comm_hook()")
+    check_idle(root, "register_comm_hook()")
     user_hook = hook
-    hook = _for_device(hook, root.compute_device)
+    hook = _for_device(hook, root_state.config.device)
     for unit in all_units:
-        inner = unit.fsdp_module
-        if not fsdp_param_groups(inner):
-            unit._comm_hook, unit._comm_hook_state = user_hook, state
+        unit.comm_hook = user_hook
+        inner = unit.sharded_module
+        if not has_sharded_params(inner):
             continue
-        if unit.sharding_strategy == ShardingStrategy.NO_SHARD:
+        if unit.config.sharding_strategy == ShardingStrategy.NO_SHARD:
             runner: HookReduceScatter | HookAllReduce = HookAllReduce(state, hook)
-            _route_no_shard_through_hook(unit, runner)
+            reduce_over_shard_dim_only(inner)
+            inner.set_all_reduce_hook(runner)
         else:
             runner = HookReduceScatter(state, hook)
             inner.set_custom_reduce_scatter(runner)
         inner.set_gradient_divide_factor(1.0)
-        unit._comm_hook, unit._comm_hook_state = user_hook, state
-        unit._comm_hook_runner = runner
+        unit.comm_hook_runner = runner

@@ -1,7 +1,8 @@
 """FSDP1 constructor arguments resolved into what ``fully_shard`` takes.
 
-:func:`resolve_config` turns the user's (already type-checked) arguments into a frozen
-:class:`UnitConfig` shared by a root and the units auto-wrapping builds under it. Mapping:
+:func:`resolve_config` is the one place a :class:`UnitConfig` is built: from the root's
+arguments (:class:`UnitArgs`), and again for a submodule only where an auto-wrap policy
+overrides some of them (:func:`config_for_module`). Mapping:
 
 * ``sharding_strategy`` / ``process_group`` / ``device_mesh`` -> mesh and
   ``reshard_after_forward`` (see :mod:`._mesh`).
@@ -21,16 +22,25 @@
 * ``limit_all_gathers``: ``True`` is what ``fully_shard`` always does (at most one unit's
   all-gather runs ahead); ``False`` warns once that the bound stays.
 * ``use_orig_params``: ``fully_shard`` always keeps the original parameters (as sharded
-  DTensors); ``False`` warns once that no flat parameters exist.
+  DTensors). An explicit ``False`` warns once that no flat parameters exist; FSDP1's
+  default (the same ``False``, left unpassed) does not warn, since the user asked for
+  nothing that behaves differently.
+
+Warnings name only arguments the user passed with a value whose meaning changes here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp.api import (
     BackwardPrefetch,
@@ -39,7 +49,9 @@ from torch.distributed.fsdp.api import (
     ShardingStrategy,
 )
 
-from fsdp_interactive.fsdp._mesh import ShardingLayout
+from fsdp_interactive.fsdp._mesh import ShardingLayout, resolve_layout
+
+logger = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 
@@ -52,26 +64,77 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=4)
 
 
-@dataclass(frozen=True)
-class UnitConfig:
-    """Everything one unit needs to be built, shared by a root and its auto-wrapped units."""
+class Unpassed:
+    """The default of an argument whose explicit value warns: tells "left out" from "passed".
 
-    layout: ShardingLayout
-    device: torch.device
-    mixed_precision: MixedPrecision | None
-    mp_policy: MixedPrecisionPolicy
-    cpu_offload: CPUOffload
-    offload_policy: OffloadPolicy
+    Shows as the default it stands for (``repr``), so signatures and ``help()`` show FSDP1's
+    documented default. :func:`passed_value` resolves it.
+    """
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def passed_value(value: Any) -> tuple[Any, bool]:
+    """``(value, True)`` for a passed value; ``(default, False)`` for an :class:`Unpassed`."""
+    if isinstance(value, Unpassed):
+        return value.value, False
+    return value, True
+
+
+@dataclass(frozen=True)
+class UnitArgs:
+    """The FSDP1 constructor arguments that configure one unit, normalized.
+
+    ``sharding_strategy`` and ``cpu_offload`` hold FSDP1's defaults instead of ``None``. The
+    same objects are handed to auto-wrap policies (:meth:`as_kwargs`), which return them
+    unchanged unless they override them for a module.
+    """
+
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None
+    sharding_strategy: ShardingStrategy  # None given: FULL_SHARD
+    cpu_offload: CPUOffload  # None given: CPUOffload()
     backward_prefetch: BackwardPrefetch | None
+    mixed_precision: MixedPrecision | None
+    param_init_fn: Callable[[torch.nn.Module], None] | None
+    device_id: int | torch.device | None
+    sync_module_states: bool
     forward_prefetch: bool
     limit_all_gathers: bool
     use_orig_params: bool
-    param_init_fn: Callable[[torch.nn.Module], None] | None
-    sync_module_states: bool
+    device_mesh: DeviceMesh | None
+
+    def __post_init__(self) -> None:
+        if self.sharding_strategy is None:
+            object.__setattr__(self, "sharding_strategy", ShardingStrategy.FULL_SHARD)
+        if self.cpu_offload is None:
+            object.__setattr__(self, "cpu_offload", CPUOffload())
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The arguments as FSDP1 constructor keywords (the same objects, not copies)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """Everything one unit needs to be built: its arguments and what they resolve to."""
+
+    args: UnitArgs
+    layout: ShardingLayout
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.layout.strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        return self.args.mixed_precision
 
     @property
     def reshard_after_forward(self) -> bool | None:
@@ -79,6 +142,57 @@ class UnitConfig:
         unsharded from forward to backward and frees every other unit's; ``fully_shard``'s
         ``None`` does exactly that, deciding the root lazily."""
         return None if self.layout.reshard_after_forward else False
+
+
+def resolve_config(
+    args: UnitArgs, device: torch.device, base: UnitConfig | None = None
+) -> UnitConfig:
+    """The config of a unit built with ``args`` computing on ``device``.
+
+    With ``base``, its mesh is reused when ``args`` ask for the same strategy and groups
+    (building a mesh can be collective).
+    """
+    if (
+        base is not None
+        and args.sharding_strategy == base.layout.strategy
+        and args.process_group is base.args.process_group
+        and args.device_mesh is base.args.device_mesh
+    ):
+        layout = base.layout
+    else:
+        layout = resolve_layout(
+            args.sharding_strategy, device.type, args.process_group, args.device_mesh
+        )
+        logger.debug(
+            "%s: %d-D mesh of shape %s over ranks %s (dims %s)",
+            layout.strategy.name,
+            layout.mesh.ndim,
+            tuple(layout.mesh.shape),
+            layout.mesh.mesh.tolist(),
+            layout.mesh.mesh_dim_names,
+        )
+    return UnitConfig(
+        args=args,
+        layout=layout,
+        device=device,
+        mp_policy=mixed_precision_policy(args.mixed_precision),
+        offload_policy=offload_policy(args.cpu_offload),
+    )
+
+
+def config_for_module(root: UnitConfig, policy_kwargs: dict[str, Any]) -> UnitConfig:
+    """The config of a unit an auto-wrap policy chose with ``policy_kwargs``: the root's,
+    unless the policy changed some arguments for this module."""
+    root_kwargs = root.args.as_kwargs()
+    overrides = {
+        name: value
+        for name, value in policy_kwargs.items()
+        if name in root_kwargs and value is not root_kwargs[name]
+    }
+    if not overrides:
+        return root
+    logger.debug("auto-wrap policy overrides %s for a unit", sorted(overrides))
+    return resolve_config(dataclasses.replace(root.args, **overrides), root.device, base=root)
 
 
 def mixed_precision_policy(mp: MixedPrecision | None) -> MixedPrecisionPolicy:
@@ -98,13 +212,14 @@ def offload_policy(cpu_offload: CPUOffload) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def warn_unhonoured(
-    mixed_precision: MixedPrecision | None,
-    backward_prefetch: BackwardPrefetch | None,
-    limit_all_gathers: bool,
-    use_orig_params: bool,
-) -> None:
-    """Warn once per process for every argument the engine runs differently from FSDP1."""
+def warn_unhonoured(args: UnitArgs, use_orig_params_passed: bool) -> None:
+    """Warn once per process for every passed argument the engine runs differently.
+
+    Each condition is one the user can only reach by passing a value: FSDP1's defaults
+    (``limit_all_gathers=True``, ``BACKWARD_PRE``, ``keep_low_precision_grads=False``, an
+    unpassed ``use_orig_params``) never warn.
+    """
+    mixed_precision = args.mixed_precision
     if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
         warn_once(
             "keep_low_precision_grads",
@@ -112,20 +227,20 @@ def warn_unhonoured(
             "casts reduced gradients back to the parameter dtype, so .grad stays in the "
             "original (full) precision",
         )
-    if backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+    if args.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         warn_once(
             "backward_post",
             "backward_prefetch=BACKWARD_POST is not available on fully_shard: the next "
             "unit's all-gather is issued before the current unit's gradient computation "
             "(BACKWARD_PRE) instead",
         )
-    if not limit_all_gathers:
+    if not args.limit_all_gathers:
         warn_once(
             "limit_all_gathers",
             "limit_all_gathers=False has no effect: fully_shard always bounds the all-gathers "
             "in flight (at most one unit ahead of compute)",
         )
-    if not use_orig_params:
+    if use_orig_params_passed and not args.use_orig_params:
         warn_once(
             "use_orig_params",
             "use_orig_params=False: fully_shard has no flat parameters; named_parameters() "

@@ -1,10 +1,9 @@
 """Per-unit initialization before sharding: device, meta materialization, rank-0 sync.
 
-Each FSDP unit runs, in order, just before ``fully_shard`` shards it:
+Each FSDP unit runs, on the modules it owns (``_traversal.owned_modules``), in order, just
+before ``fully_shard`` shards it:
 
-1. :func:`unit_modules` - the modules whose parameters/buffers the unit owns: a breadth-first
-   walk from the unit's module that stops at already-built units and ignored modules.
-2. :func:`materialize` - if any owned parameter or buffer is on the meta device:
+1. :func:`materialize` - if any owned parameter or buffer is on the meta device:
    ``param_init_fn(m)`` for every owned module ``m`` when given (FSDP1's contract), else
    ``m.to_empty(device, recurse=False)`` + ``m.reset_parameters()`` for every owned module
    that directly holds states. Because units are built bottom-up and sharded right after this
@@ -12,7 +11,7 @@ Each FSDP unit runs, in order, just before ``fully_shard`` shards it:
    one unit's full parameters. Once the unit is sharded, :func:`release_freed_memory`
    hands the freed full tensors' pages back to the OS (glibc keeps freed heap memory
    otherwise, so each unit's full copy would add to the process's resident size).
-3. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
+2. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
    buffers are broadcast from the mesh's first rank (coalesced per dtype, sent on the mesh's
    device, so CPU-resident modules work with NCCL too).
 
@@ -25,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterable
 
@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_interactive._torch_compat import flatten_dense_tensors, unflatten_dense_tensors
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(
@@ -102,25 +104,6 @@ def _states(
                 yield buf
 
 
-def unit_modules(
-    unit_root: nn.Module,
-    is_unit: Callable[[nn.Module], bool],
-    ignored_modules: frozenset[nn.Module],
-) -> list[nn.Module]:
-    """Breadth-first owned modules of a unit (stops at built units and ignored modules)."""
-    owned = [unit_root]
-    seen = {unit_root}
-    queue = collections.deque([unit_root])
-    while queue:
-        for child in queue.popleft().children():
-            if child in seen or child in ignored_modules or is_unit(child):
-                continue
-            seen.add(child)
-            owned.append(child)
-            queue.append(child)
-    return owned
-
-
 def has_meta_states(modules: list[nn.Module], ignored_params: frozenset[nn.Parameter]) -> bool:
     return any(t.is_meta for t in _states(modules, ignored_params))
 
@@ -132,6 +115,15 @@ def materialize(
     ignored_params: frozenset[nn.Parameter],
 ) -> None:
     """Give the owned meta-device states real storage (see the module docstring)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        kinds = collections.Counter(type(m).__name__ for m in modules)
+        logger.debug(
+            "materializing %d meta-device module(s) on %s with %s: %s",
+            len(modules),
+            device,
+            "param_init_fn" if param_init_fn is not None else "reset_parameters()",
+            ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
+        )
     if param_init_fn is not None:
         for module in modules:
             param_init_fn(module)

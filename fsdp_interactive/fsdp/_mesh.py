@@ -26,8 +26,9 @@ comes from ``device_mesh`` when given, from a ``process_group=(intra, inter)`` t
 NO_SHARD uses a shard dimension of size one because ``fully_shard`` rejects ``Replicate()``
 placements: each rank keeps whole parameters and gradients are all-reduced across dim 0.
 
-Meshes built here over the default group are cached per (device type, shape), so wrapping
-many units, or many models in one long-lived process, creates each sub-group once.
+Meshes built here over the default group are made once per (device type, shape) and
+default group, so wrapping many units, or many models in one long-lived process, creates
+each sub-group once.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.api import ShardingStrategy
 
+from fsdp_interactive._background_groups import once_per_default_group
 from fsdp_interactive._torch_compat import HYBRID_SHARD_ZERO2
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2)
 MESH_DIM_NAMES = ("replicate", "shard")
-
-_mesh_cache: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
 
 
 @dataclass(frozen=True)
@@ -60,23 +61,14 @@ class ShardingLayout:
         """The group a parameter is sharded over (size 1 for NO_SHARD)."""
         return self.mesh.get_group(self.mesh.ndim - 1)
 
-    @property
-    def replicate_group(self) -> dist.ProcessGroup | None:
-        """The group whole shards are replicated over (None for a 1-D mesh)."""
-        return self.mesh.get_group(0) if self.mesh.ndim == 2 else None
-
 
 def _world_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
     """A mesh over the default group, created once per (device type, shape)."""
-    world_group = dist.group.WORLD
-    key = (device_type, shape)
-    cached = _mesh_cache.get(key)
-    if cached is not None and cached[0] is world_group:
-        return cached[1]
     names = ("shard",) if len(shape) == 1 else MESH_DIM_NAMES
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    _mesh_cache[key] = (world_group, mesh)
-    return mesh
+    return once_per_default_group(
+        ("fsdp-mesh", device_type, shape),
+        lambda: init_device_mesh(device_type, shape, mesh_dim_names=names),
+    )
 
 
 def _mesh_from_group_pair(
@@ -101,8 +93,6 @@ def _mesh_from_group_pair(
             f"(size {cols}) times the inter-node groups (size {rows}) must cover all "
             f"{dist.get_world_size()} ranks exactly once"
         )
-    import torch
-
     return DeviceMesh.from_group(
         [inter, intra],
         device_type,
@@ -149,7 +139,7 @@ def resolve_layout(
                     f"device_mesh must be 1-D for NO_SHARD, got a {device_mesh.ndim}-D mesh"
                 )
             mesh = DeviceMesh.from_group(
-                [device_mesh.get_group(0), _singleton_group(device_mesh)],
+                [device_mesh.get_group(0), _singleton_group()],
                 device_mesh.device_type,
                 mesh=device_mesh.mesh.reshape(-1, 1),
                 mesh_dim_names=MESH_DIM_NAMES,
@@ -197,7 +187,7 @@ def resolve_layout(
     flat = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
     if strategy == ShardingStrategy.NO_SHARD:
         mesh = DeviceMesh.from_group(
-            [group, _singleton_group(flat)],
+            [group, _singleton_group()],
             device_type,
             mesh=flat.mesh.reshape(-1, 1),
             mesh_dim_names=MESH_DIM_NAMES,
@@ -206,18 +196,12 @@ def resolve_layout(
     return ShardingLayout(strategy, flat, reshard)
 
 
-_singleton_cache: list[tuple[object, dist.ProcessGroup]] = []
-
-
-def _singleton_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+def _singleton_group() -> dist.ProcessGroup:
     """This rank's one-member group (the shard dim of a NO_SHARD mesh over a sub-group).
 
     ``new_subgroups`` is collective over the *default* group, so every rank of the job must
     build such a unit; the group is created once per default group and reused.
     """
-    world_group = dist.group.WORLD
-    if _singleton_cache and _singleton_cache[0][0] is world_group:
-        return _singleton_cache[0][1]
-    group, _ = dist.new_subgroups(group_size=1)
-    _singleton_cache[:] = [(world_group, group)]
-    return group
+    return once_per_default_group(
+        "fsdp-one-rank-group", lambda: dist.new_subgroups(group_size=1)[0]
+    )

@@ -31,11 +31,77 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive._torch_compat import (
-    compute_local_shape_and_global_offset,
-    dtensor_local_tensor,
-    parameter_slots,
-)
+from fsdp_interactive._torch_compat import local_shape_and_offset, local_tensor, parameter_slots
+from fsdp_interactive.fsdp._traversal import check_idle, owned_modules, units
+from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """Expose whole parameters (original dtype) on the units of ``module``.
+
+    ``FullyShardedDataParallel.summon_full_params``. ``recurse=False`` only gathers
+    ``module``'s own unit. See the module docstring for what each flag does. Raises
+    ``NotImplementedError`` (a ``RuntimeError``) for ``rank0_only=True`` with
+    ``writeback=True`` and for ``with_grads=True`` with ``offload_to_cpu=True`` (as FSDP1),
+    ``RuntimeError`` when called during forward, backward or another ``summon_full_params``
+    of the same units.
+    """
+    for name, value in (
+        ("recurse", recurse),
+        ("writeback", writeback),
+        ("rank0_only", rank0_only),
+        ("offload_to_cpu", offload_to_cpu),
+        ("with_grads", with_grads),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if rank0_only and writeback:
+        raise NotImplementedError(
+            "summon_full_params: writeback=True and rank0_only=True is not supported "
+            "(pass writeback=False)"
+        )
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            "summon_full_params: with_grads=True and offload_to_cpu=True is not supported"
+        )
+    own_unit = [module] if is_unit(module) else []
+    targets = units(module) if recurse else own_unit
+    for unit in targets:
+        check_idle(unit, "summon_full_params()")
+    states = [state for unit in targets if (state := unit_state(unit)) is not None]
+    for state in states:
+        state.sharded_module.reshard()
+    plan = [
+        (
+            owned_modules(state.sharded_module, state.ignored.modules),
+            state.config.layout.shard_group,
+        )
+        for state in states
+    ]
+    for state in states:
+        state.summoning = True
+    try:
+        with summon_units(
+            plan,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        ):
+            yield
+    finally:
+        for state in states:
+            state.summoning = False
 
 
 @dataclass
@@ -64,10 +130,8 @@ def sharded_slots(modules: Sequence[nn.Module]) -> list[_Swap]:
 
 
 def local_slice(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
-    """The part of ``full`` that this rank's local shard of ``sharded`` holds."""
-    shape, offset = compute_local_shape_and_global_offset(
-        sharded.shape, sharded.device_mesh, sharded.placements
-    )
+    """The part (a view) of ``full`` that this rank's local shard of ``sharded`` holds."""
+    shape, offset = local_shape_and_offset(sharded.shape, sharded.device_mesh, sharded.placements)
     view = full
     for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
         view = view.narrow(dim, start, size)
@@ -89,17 +153,17 @@ def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
             continue
         grad = slot.sharded.grad
         if grad is None:
-            shape, _ = compute_local_shape_and_global_offset(
+            shape, _ = local_shape_and_offset(
                 slot.sharded.shape, slot.sharded.device_mesh, slot.sharded.placements
             )
             local = torch.zeros(
-                shape, dtype=slot.sharded.dtype, device=dtensor_local_tensor(slot.sharded).device
+                shape, dtype=slot.sharded.dtype, device=local_tensor(slot.sharded).device
             )
             grad = DTensor.from_local(
                 local, slot.sharded.device_mesh, slot.sharded.placements, run_check=False
             )
         full_grad = grad.full_tensor()
-        if _shares_storage(full_grad, dtensor_local_tensor(grad)):
+        if _shares_storage(full_grad, local_tensor(grad)):
             full_grad = full_grad.clone()
         if slot.full is not None:
             slot.full.grad = full_grad.to(slot.full.device)
@@ -136,7 +200,7 @@ def summon_units(
                         if keep_full:
                             if offload_to_cpu:
                                 full = full.cpu()
-                            if _shares_storage(full, dtensor_local_tensor(slot.sharded)):
+                            if _shares_storage(full, local_tensor(slot.sharded)):
                                 full = full.clone()  # unsharded meshes return the shard itself
                             full_of[key] = nn.Parameter(
                                 full, requires_grad=slot.sharded.requires_grad
@@ -167,7 +231,7 @@ def summon_units(
                                 f"{tuple(slot.sharded.shape)} to {tuple(current.shape)}; "
                                 "only values can be written back"
                             )
-                        local = dtensor_local_tensor(slot.sharded)
+                        local = local_tensor(slot.sharded)
                         local.copy_(local_slice(current.detach(), slot.sharded).to(local.device))
                         written.add(id(slot.sharded))
                     parameter_slots(slot.module)[slot.name] = slot.sharded

@@ -1,37 +1,34 @@
-"""Finding FSDP units in a module tree.
+"""Walking FSDP units in a module tree.
 
-A *unit* is one ``FullyShardedDataParallel`` instance: it owns the parameters of its wrapped
-module that no nested unit owns, and shards them with one ``fully_shard`` group. These
-helpers are what other layers (state dicts, probes) use to walk units without knowing how
-the wrapper stores them.
+Other layers (state dicts, summoning, gradient clipping, probes) use these to find units
+and what each owns without knowing how the wrapper stores them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import collections
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp_interactive._torch_compat import training_state_name
+from fsdp_interactive.fsdp._unit_state import UnitState, is_unit, unit_state
 
 
-def is_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``FullyShardedDataParallel`` unit."""
-    from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return isinstance(module, FullyShardedDataParallel)
-
-
-def units(module: nn.Module) -> list[FullyShardedDataParallel]:
+def units(module: nn.Module) -> list[nn.Module]:
     """Every unit in ``module`` (``module`` included), in pre-order (``module.modules()``)."""
-    return [m for m in module.modules() if is_unit(m)]  # type: ignore[misc]
+    return [m for m in module.modules() if is_unit(m)]
 
 
-def root_units(module: nn.Module) -> list[FullyShardedDataParallel]:
+def unit_states(module: nn.Module) -> list[UnitState]:
+    """The states of :func:`units` of ``module``, in the same order."""
+    return [state for m in module.modules() if (state := unit_state(m)) is not None]
+
+
+def root_units(module: nn.Module) -> list[nn.Module]:
     """Units in ``module`` that have no unit above them inside ``module``."""
-    found: list[FullyShardedDataParallel] = []
+    if is_unit(module):
+        return [module]
+    found: list[nn.Module] = []
 
     def visit(mod: nn.Module, seen: set[nn.Module]) -> None:
         for child in mod.children():
@@ -39,18 +36,43 @@ def root_units(module: nn.Module) -> list[FullyShardedDataParallel]:
                 continue
             seen.add(child)
             if is_unit(child):
-                found.append(child)  # type: ignore[arg-type]
+                found.append(child)
             else:
                 visit(child, seen)
 
-    if is_unit(module):
-        return [module]  # type: ignore[list-item]
     visit(module, {module})
     return found
 
 
-def iter_nested_units(unit: nn.Module) -> Iterator[FullyShardedDataParallel]:
-    """Units strictly below ``unit``."""
-    for m in unit.modules():
-        if m is not unit and is_unit(m):
-            yield m  # type: ignore[misc]
+def owned_modules(unit_root: nn.Module, ignored_modules: frozenset[nn.Module]) -> list[nn.Module]:
+    """The modules whose own parameters and buffers the unit around ``unit_root`` owns.
+
+    Breadth-first from ``unit_root``, stopping at units (already built below it) and at
+    ignored modules.
+    """
+    owned = [unit_root]
+    seen = {unit_root}
+    queue = collections.deque([unit_root])
+    while queue:
+        for child in queue.popleft().children():
+            if child in seen or child in ignored_modules or is_unit(child):
+                continue
+            seen.add(child)
+            owned.append(child)
+            queue.append(child)
+    return owned
+
+
+def check_idle(module: nn.Module, what: str) -> None:
+    """``RuntimeError`` naming ``what`` unless every unit in ``module`` is idle: not in a
+    forward, a backward or ``summon_full_params``."""
+    for state in unit_states(module):
+        if state.forward_depth or state.summoning:
+            doing = "summon_full_params()" if state.summoning else "forward()"
+            raise RuntimeError(f"{what} cannot be called during {doing}")
+        training = training_state_name(state.sharded_module)
+        if training != "IDLE":
+            raise RuntimeError(
+                f"{what} cannot be called during forward or backward "
+                f"(a unit is in state {training})"
+            )

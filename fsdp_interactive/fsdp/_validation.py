@@ -7,8 +7,7 @@ run before the module is touched, so a rejected call leaves the module exactly a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,15 +21,8 @@ from torch.distributed.fsdp.api import (
     ShardingStrategy,
 )
 
-from fsdp_interactive._torch_compat import WrapPolicy
-
-
-@dataclass(frozen=True)
-class IgnoredStates:
-    """What FSDP leaves alone: whole modules (with all their submodules) and parameters."""
-
-    modules: frozenset[nn.Module]
-    params: frozenset[nn.Parameter]
+from fsdp_interactive._torch_compat import Policy
+from fsdp_interactive.fsdp._unit_state import IgnoredStates, is_unit
 
 
 def _type_name(value: object) -> str:
@@ -86,7 +78,7 @@ def check_types(
             raise TypeError(f"{name} must be a {cls.__name__} or None, got {_type_name(value)}")
     if (
         auto_wrap_policy is not None
-        and not isinstance(auto_wrap_policy, WrapPolicy)
+        and not isinstance(auto_wrap_policy, Policy)
         and not callable(auto_wrap_policy)
     ):
         raise TypeError(
@@ -134,7 +126,6 @@ def resolve_ignored(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
     ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None,
-    is_wrapper: Callable[[nn.Module], bool],
 ) -> IgnoredStates:
     """Normalize ``ignored_modules`` / ``ignored_states`` into modules and parameters.
 
@@ -179,7 +170,7 @@ def resolve_ignored(
             raise ValueError(f"{arg} contains a {_type_name(mod)} that is not inside module")
         if mod is module:
             raise ValueError(f"{arg} cannot contain the wrapped module itself")
-        if is_wrapper(mod):
+        if is_unit(mod):
             raise ValueError(f"{arg} cannot contain FullyShardedDataParallel units")
     for param in params:
         if param not in own_params:

@@ -28,6 +28,7 @@ their inputs to float32 and their outputs back, exactly as FSDP1's auto-wrap doe
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,26 +36,28 @@ from torch import nn
 from torch.distributed.fsdp.api import MixedPrecision
 
 from fsdp_interactive._torch_compat import (
-    WrapPolicy,
-    no_mixed_precision_classes,
+    Policy,
+    module_classes_without_mixed_precision,
     or_policy,
     override_module_mixed_precision,
     run_mixed_precision_override_policy,
-    run_wrap_policy,
+    run_policy,
     submodule_slots,
     warn_on_overridden_mixed_precision,
     wrap_module_cls_individually,
 )
+from fsdp_interactive.fsdp._unit_state import is_unit
+
+logger = logging.getLogger(__name__)
 
 WrapFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
 
 
 def select_units(
     root: nn.Module,
-    policy: WrapPolicy | Callable[..., bool],
+    policy: Policy | Callable[..., bool],
     ignored_modules: frozenset[nn.Module],
     ignored_params: frozenset[nn.Parameter],
-    is_unit: Callable[[nn.Module], bool],
     root_kwargs: dict[str, Any],
     mixed_precision: MixedPrecision | None = None,
 ) -> dict[nn.Module, dict[str, Any]]:
@@ -63,9 +66,11 @@ def select_units(
     With ``mixed_precision``, also registers torch's float32 cast hooks on the modules of
     ``mixed_precision._module_classes_to_ignore`` (undone by the caller's rollback on failure).
     """
-    no_mp_classes = no_mixed_precision_classes(mixed_precision) if mixed_precision else ()
-    if isinstance(policy, WrapPolicy):
-        chosen = run_wrap_policy(policy, root, set(ignored_modules), dict(root_kwargs))
+    no_mp_classes = (
+        module_classes_without_mixed_precision(mixed_precision) if mixed_precision else ()
+    )
+    if isinstance(policy, Policy):
+        chosen = run_policy(policy, root, set(ignored_modules), dict(root_kwargs))
         if no_mp_classes:
             chosen = run_mixed_precision_override_policy(
                 root, no_mp_classes, set(ignored_modules), dict(root_kwargs), chosen
@@ -95,7 +100,6 @@ def select_units(
         policy,
         ignored_modules,
         ignored_params | in_existing_units,
-        is_unit,
         chosen_modules,
         is_root=True,
     )
@@ -119,7 +123,6 @@ def _select_recursively(
     policy: Callable[..., bool],
     ignored_modules: frozenset[nn.Module],
     excluded_params: frozenset[nn.Parameter] | set[nn.Parameter],
-    is_unit: Callable[[nn.Module], bool],
     chosen: list[nn.Module],
     is_root: bool = False,
 ) -> int:
@@ -135,7 +138,7 @@ def _select_recursively(
         if child in ignored_modules or is_unit(child):
             continue
         wrapped_numel += _select_recursively(
-            child, policy, ignored_modules, excluded_params, is_unit, chosen
+            child, policy, ignored_modules, excluded_params, chosen
         )
     remainder = nonwrapped_numel - wrapped_numel
     if not is_root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
@@ -148,24 +151,22 @@ def wrap_bottom_up(
     root: nn.Module,
     targets: dict[nn.Module, dict[str, Any]],
     wrap_fn: WrapFn,
-    replaced: list[tuple[nn.Module, str, nn.Module]],
 ) -> None:
     """Replace every target below ``root`` by ``wrap_fn(target, kwargs)``, children first.
 
-    Each replacement is appended to ``replaced`` as ``(parent, attribute name, original)`` as
-    soon as it happens, so a failure part-way can be undone by the caller.
+    Replacements happen in place; a caller that must undo a failure part-way snapshots the
+    tree first (:class:`._rollback.TreeSnapshot`).
     """
     done: set[nn.Module] = set()
 
-    def visit(module: nn.Module) -> None:
+    def visit(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
             if child in done:
                 continue
             done.add(child)
-            visit(child)
+            visit(child, f"{prefix}{name}.")
             if child in targets:
-                wrapper = wrap_fn(child, targets[child])
-                submodule_slots(module)[name] = wrapper
-                replaced.append((module, name, child))
+                logger.debug("auto-wrap: %r (%s) is a unit", prefix + name, type(child).__name__)
+                submodule_slots(module)[name] = wrap_fn(child, targets[child])
 
-    visit(root)
+    visit(root, "")

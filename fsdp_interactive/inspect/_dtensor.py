@@ -1,4 +1,8 @@
-"""Small DTensor helpers shared by the probes (rank side)."""
+"""Small DTensor helpers shared by the probes (rank side).
+
+What reads torch internals (a DTensor's local shard, the local shape at a mesh coordinate,
+``fully_shard``'s padding) comes from :mod:`fsdp_interactive._torch_compat`.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from fsdp_interactive._torch_compat import (
-    compute_local_shape_and_global_offset_at,
-    dtensor_local_tensor,
-    managed_parameters,
-)
+from fsdp_interactive import _torch_compat
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (a DTensor's local shard, a plain tensor itself).
-
-    Read without autograd: ``to_local()`` goes through an autograd function on every call,
-    which is most of a probe's cost for a model of a few hundred parameters.
-    """
-    if isinstance(tensor, DTensor):
-        return dtensor_local_tensor(tensor).detach()
-    return tensor.detach()
+    """The tensor this rank stores (a DTensor's local shard, a plain tensor itself), detached."""
+    return _torch_compat.local_tensor(tensor).detach()
 
 
 def world() -> tuple[int, int]:
@@ -67,33 +61,6 @@ def _replicated_copies(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> i
         for size, placement in zip(mesh.shape, placements, strict=True)
         if placement.is_replicate()
     )
-
-
-def local_shape_and_offset(
-    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Local shape and global offset of the piece held at ``coordinate`` of a mesh."""
-    shape, offset = compute_local_shape_and_global_offset_at(
-        global_shape, mesh_shape, coordinate, placements
-    )
-    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
-
-
-def padded_numels(model: nn.Module) -> dict[int, int]:
-    """id(sharded parameter) -> elements FSDP stores for it on this rank (with padding).
-
-    Read from fully_shard's per-parameter state; parameters not managed by fully_shard are
-    absent.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    sizes: dict[int, int] = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for param, padded_size in managed_parameters(module):
-            sizes[id(param)] = math.prod(padded_size)
-    return sizes
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -8,13 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.inspect._dtensor import (
-    local_shape_and_offset,
-    local_tensor,
-    named_parameters,
-    padded_numels,
-    world,
-)
+from fsdp_interactive._torch_compat import local_shape_and_offset, padded_shard_numels
+from fsdp_interactive.inspect._dtensor import local_tensor, named_parameters, world
 from fsdp_interactive.inspect._records import ParamLayout, RankLayout, ShardSlice
 
 
@@ -51,9 +46,7 @@ def _param_layout(fqn: str, param: torch.Tensor, padded: dict[int, int]) -> Para
     my_padded = padded.get(id(param))
     slices = []
     for coordinate in itertools.product(*(range(s) for s in mesh_shape)):
-        shape, offset = local_shape_and_offset(
-            global_shape, mesh_shape, list(coordinate), param.placements
-        )
+        shape, offset = local_shape_and_offset(global_shape, mesh, param.placements, coordinate)
         numel = 1
         for s in shape:
             numel *= s
@@ -87,7 +80,7 @@ def layout(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     if not isinstance(model, nn.Module):
         raise TypeError(f"layout(model): model must be an nn.Module, got {type(model).__name__}")
     rank, world_size = world()
-    padded = padded_numels(model)
+    padded = padded_shard_numels(model)
     params = []
     param_bytes = grad_bytes = 0
     for fqn, param in named_parameters(model):

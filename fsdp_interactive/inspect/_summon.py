@@ -16,22 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive._torch_compat import compute_local_shape_and_global_offset
+from fsdp_interactive.fsdp._summon import local_slice, summon_full_params
+from fsdp_interactive.fsdp._unit_state import is_unit
 from fsdp_interactive.inspect._dtensor import named_parameters
 from fsdp_interactive.inspect._records import TensorStats
-
-
-def _wrapper_class() -> type | None:
-    try:
-        from fsdp_interactive.fsdp import FullyShardedDataParallel
-    except Exception:  # the wrapper is optional for inspecting raw fully_shard models
-        return None
-    return FullyShardedDataParallel
-
-
-def _is_wrapped(model: nn.Module) -> bool:
-    wrapper = _wrapper_class()
-    return wrapper is not None and any(isinstance(m, wrapper) for m in model.modules())
 
 
 def select_params(model: nn.Module, fqn: str) -> list[tuple[str, nn.Parameter]]:
@@ -55,9 +43,8 @@ def _full_params(
     model: nn.Module, chosen: list[tuple[str, nn.Parameter]], writeback: bool = False
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield name -> full tensor; with ``writeback`` edits of those tensors are kept."""
-    if _is_wrapped(model):
-        wrapper = _wrapper_class()
-        with wrapper.summon_full_params(model, writeback=writeback):
+    if any(is_unit(m) for m in model.modules()):
+        with summon_full_params(model, writeback=writeback):
             full = dict(named_parameters(model))
             missing = [name for name, _ in chosen if name not in full]
             if missing:
@@ -82,11 +69,7 @@ def _write_full_into(param: nn.Parameter, full: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         param.data.copy_(full)
         return
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, param.device_mesh, param.placements
-    )
-    piece = full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-    param.to_local().copy_(piece)
+    param.to_local().copy_(local_slice(full, param))
 
 
 def tensor_stats(fqn: str, names: list[str], tensors: list[torch.Tensor], bins: int) -> TensorStats:

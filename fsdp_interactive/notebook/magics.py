@@ -68,13 +68,19 @@ def parse_targets(text: str, world_size: int) -> list[int] | None:
 
 
 def _rank_error_class() -> type:
-    from fsdp_interactive.pool import RankError
+    from fsdp_interactive.pool.errors import RankError
 
     return RankError
 
 
 def _pool_failures() -> tuple[type[BaseException], ...]:
-    from fsdp_interactive.pool import PoolError, RankDied, RankError, RankInterrupted, RankTimeout
+    from fsdp_interactive.pool.errors import (
+        PoolError,
+        RankDied,
+        RankError,
+        RankInterrupted,
+        RankTimeout,
+    )
 
     return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
 
@@ -111,7 +117,7 @@ class FsdpMagics(Magics):
     def fsdp(self, line: str) -> Any:
         """Manage the rank pool.
 
-        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S]
+        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info]
         %fsdp stop | restart | status | interrupt
         %fsdp push NAME [NAME ...]              copy kernel variables to every rank
         %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
@@ -135,6 +141,7 @@ class FsdpMagics(Magics):
     @argument("--backend", choices=("gloo", "nccl"), default=None)
     @argument("--engines", default="local", help="ipyparallel launcher: local, ssh, slurm, mpi")
     @argument("--timeout", type=float, default=120.0, help="start-up timeout in seconds")
+    @argument("--log-level", choices=("debug", "info"), help="show the pool's log records")
     def _fsdp_start(self, rest: str) -> None:
         """%fsdp start"""
         args = self._parse(self._fsdp_start, rest, "start")
@@ -164,6 +171,7 @@ class FsdpMagics(Magics):
                 backend=args.backend,
                 engines=args.engines,
                 timeout=args.timeout,
+                log_level=args.log_level,
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None

@@ -1,12 +1,17 @@
 """The engine pool: an ipyparallel cluster whose every engine is one ``torch.distributed`` rank.
 
-Notebook side. ``Pool`` is the entry point; the exceptions below are what its calls
-raise. Rank-side start-up code lives in :mod:`fsdp_interactive.pool._rank_bootstrap`
-(free of IPython).
+Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
+:mod:`fsdp_interactive.pool.errors`) are what its calls raise, and ``Pool.state`` is a
+:class:`PoolState`. Rank-side start-up code lives in
+:mod:`fsdp_interactive.pool._rank_bootstrap` (free of IPython).
 """
 
 from fsdp_interactive.pool._devices import visible_cuda_device_count
-from fsdp_interactive.pool._errors import (
+from fsdp_interactive.pool._output import RunResult, TaggedPrinter
+from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._state import PoolState
+from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.errors import (
     PoolBusy,
     PoolError,
     PoolNotRunning,
@@ -16,9 +21,6 @@ from fsdp_interactive.pool._errors import (
     RankInterrupted,
     RankTimeout,
 )
-from fsdp_interactive.pool._output import RunResult, TaggedPrinter
-from fsdp_interactive.pool._pool import Pool
-from fsdp_interactive.pool._topology import RankRecord
 
 __all__ = [
     "Pool",
@@ -26,6 +28,7 @@ __all__ = [
     "PoolError",
     "PoolNotRunning",
     "PoolStartError",
+    "PoolState",
     "RankDied",
     "RankError",
     "RankInterrupted",

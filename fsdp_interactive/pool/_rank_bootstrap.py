@@ -1,12 +1,14 @@
 """Rank side of the pool: what each engine runs to become one ``torch.distributed`` rank.
 
-The notebook side (:mod:`fsdp_interactive.pool._pool`) calls these functions on the
-engines through ipyparallel; they take and return plain data only. This module never
+The notebook side (:mod:`fsdp_interactive.pool._rendezvous`) calls these functions on
+the engines through ipyparallel; they take and return plain data only. This module never
 imports IPython, ipyparallel or anything notebook-side, and it never touches CUDA
 unless the spec it is given names a CUDA device.
 
 Start-up, in order:
 
+0. :func:`enable_logging`, only when the pool has a log level: this engine's
+   ``fsdp_interactive.*`` records go to its stderr, which reaches the notebook.
 1. :func:`describe_engine` on every engine: host, address, pid.
 2. :func:`open_store` on the engine chosen as rank 0: a ``TCPStore`` server on a free
    port (the port is picked by binding port 0, so no other process can take it in
@@ -24,14 +26,20 @@ recovering a broken group (the pool restarts the engines instead).
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from fsdp_interactive.pool import _logs
+
+log = logging.getLogger(__name__)
 
 #: Signal that makes a rank write every thread's Python stack to its stack file.
 STACK_SIGNAL = signal.SIGUSR1
@@ -52,6 +60,12 @@ class _RankState:
 
 
 _STATE = _RankState()
+
+
+def enable_logging(level: int) -> None:
+    """Show this engine's ``fsdp_interactive.*`` records at ``level`` on its stderr."""
+    _logs.enable(level)
+    log.debug("engine pid %d logs at level %s", os.getpid(), logging.getLevelName(level))
 
 
 def describe_engine() -> dict[str, Any]:
@@ -100,6 +114,7 @@ def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
+    log.debug("rendezvous store listening on %s:%d", bind_address or "*", port)
     return port
 
 
@@ -146,6 +161,16 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    began = time.monotonic()
+    log.debug(
+        "rank %d of %d joining a %s group on %s:%s (device %s)",
+        rank,
+        world_size,
+        spec["backend"],
+        spec["master_addr"],
+        spec["master_port"],
+        device,
+    )
     timeout = timedelta(seconds=float(spec["pg_timeout_s"]))
     if rank == 0:
         store = _STATE.store
@@ -175,6 +200,7 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(check)
     if int(check.item()) != world_size:
         raise RuntimeError(f"all_reduce check gave {check.item()}, expected {world_size}")
+    log.debug("rank %d joined in %.2fs; all_reduce check passed", rank, time.monotonic() - began)
 
     _STATE.rank = rank
     _STATE.world_size = world_size

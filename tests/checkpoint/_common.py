@@ -11,26 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from tests.models import Net
+
 WRAPPED = "_fsdp_wrapped_module."
-
-
-class Net(nn.Module):
-    """Uneven shapes (3 rows over 4 ranks leaves one rank an empty shard) and a buffer.
-
-    The buffer is the same on every rank (buffers are replicated, not sharded: a
-    rank-divergent buffer such as BatchNorm statistics under data parallelism is saved
-    from one rank only, as in FSDP1's full state dict).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 10)
-        self.norm = nn.LayerNorm(10)
-        self.body = nn.Sequential(nn.Linear(10, 9), nn.Tanh(), nn.Linear(9, 3))
-        self.register_buffer("shift", torch.randn(10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(torch.relu(self.norm(self.inp(x)) + self.shift))
 
 
 def plain_model(seed: int = 0) -> Net:

@@ -1,7 +1,7 @@
-"""Shared pieces for the FSDP tests: a tiny transformer-like model, data, reference training.
+"""Shared pieces for the FSDP tests: the seeded model (:class:`tests.models.TinyLM`), data,
+reference training.
 
-Everything here is module-level so it pickles into the rank processes. The model is kept tiny
-(dim 16) so every configuration trains in milliseconds on CPU ranks.
+Everything here is module-level so it pickles into the rank processes.
 """
 
 from __future__ import annotations
@@ -14,54 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB = 32
-DIM = 16
+from tests.models import VOCAB, TinyLM
+
 SEQ = 6
 LOCAL_BATCH = 2
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
-        weights = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        return self.out(weights @ v)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLM(nn.Module):
-    """Embedding, ``n_blocks`` attention+MLP blocks, final layer norm, head."""
-
-    def __init__(self, n_blocks: int = 2, dim: int = DIM, vocab: int = VOCAB):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 def make_model(seed: int = 0, **kwargs: Any) -> TinyLM:

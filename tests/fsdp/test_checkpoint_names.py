@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tests.fsdp import _common as C
+from tests.models import DIM, VOCAB, Block
 
 
 def _trained():
@@ -21,7 +22,7 @@ def _trained():
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({Block}))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     C.lm_loss(model, C.local_part(C.batches(0, world), rank, world)).backward()
     optim.step()
@@ -42,7 +43,7 @@ def optimizer_and_model_keys_are_clean() -> None:
     assert sorted(osd["state"]) == sorted(plain_names)
     assert sorted(n for g in osd["param_groups"] for n in g["params"]) == sorted(plain_names)
     full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    assert full["state"]["head.weight"]["exp_avg"].shape == (C.VOCAB, C.DIM)
+    assert full["state"]["head.weight"]["exp_avg"].shape == (VOCAB, DIM)
     # Round trip into a fresh wrapped model's optimizer.
     fresh, fresh_optim = _trained()
     set_optimizer_state_dict(fresh, fresh_optim, osd)

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 STEPS = 2
 
@@ -33,13 +34,14 @@ def train_with_hook(strategy: str, hook_name: str) -> tuple[list[float], float, 
 
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
     from fsdp_interactive.fsdp import ShardingStrategy
+    from fsdp_interactive.fsdp._traversal import unit_states
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = FSDP(
         C.make_model(0),
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=True,
     )
     group = dist.distributed_c10d._get_default_group()
@@ -67,7 +69,7 @@ def train_with_hook(strategy: str, hook_name: str) -> tuple[list[float], float, 
     ref = C.train_reference(STEPS, world)
     diff = C.max_param_diff(C.full_params(model), ref.params)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref.losses, strict=True))
-    runners = [unit._comm_hook_runner for unit in FSDP.fsdp_modules(model)]
+    runners = [unit.comm_hook_runner for unit in unit_states(model)]
     runner_calls = sum(r.calls for r in runners)
     kinds = {type(r).__name__ for r in runners}
     if isinstance(hook, CountingHook):
@@ -106,7 +108,7 @@ def comm_hook_errors() -> None:
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     state = default_hooks.DefaultState(dist.distributed_c10d._get_default_group())
-    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(RuntimeError, match="root"):
         model.blocks[0].register_comm_hook(state, default_hooks.reduce_scatter_hook)
     with pytest.raises(ValueError, match="callable"):

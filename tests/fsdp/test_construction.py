@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fsdp import _common as C
+from tests.models import DIM, VOCAB, Attention, Block, TinyLM
 
 
 def _untouched(model: nn.Module, params_before: list, classes_before: list) -> None:
@@ -128,7 +129,7 @@ def failure_midway_restores_module() -> None:
     expected = model(tokens)
     model.head.__class__ = ExplodingHead
     with pytest.raises(RuntimeError, match="on purpose"):
-        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({C.Block, ExplodingHead}))
+        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block, ExplodingHead}))
     _untouched(model, before, classes)
     assert dict(model.named_modules()) == children, "units left in place of submodules"
     model.head.__class__ = nn.Linear
@@ -136,13 +137,13 @@ def failure_midway_restores_module() -> None:
 
     # 2) param_init_fn fails while materializing a meta model, after some units were built.
     with torch.device("meta"):
-        meta_model = C.TinyLM()
+        meta_model = TinyLM()
     before, classes = list(meta_model.parameters()), [type(m) for m in meta_model.modules()]
     calls: list = []
     with pytest.raises(RuntimeError, match="on purpose"):
         FSDP(
             meta_model,
-            auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
             param_init_fn=_failing_init(calls, fail_at=9),
         )
     assert len(calls) == 9
@@ -173,17 +174,17 @@ def unit_selection_matches_torch_fsdp1() -> dict:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 
     policies = {
-        "module_class": ModuleWrapPolicy({C.Block, nn.Embedding}),
+        "module_class": ModuleWrapPolicy({Block, nn.Embedding}),
         "size_600": functools.partial(size_based_auto_wrap_policy, min_num_params=600),
         "size_100": functools.partial(size_based_auto_wrap_policy, min_num_params=100),
         "transformer": functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={C.Block}
+            transformer_auto_wrap_policy, transformer_layer_cls={Block}
         ),
         "lambda": functools.partial(
             lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)
         ),
         "always": always_wrap_policy,
-        "custom": CustomPolicy(lambda m: isinstance(m, C.Attention | nn.Sequential)),
+        "custom": CustomPolicy(lambda m: isinstance(m, Attention | nn.Sequential)),
     }
     out = {}
     with warnings.catch_warnings():
@@ -206,8 +207,8 @@ def ignored_states_untouched() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     inner = C.make_model(0)
     ignored_weight = inner.head.weight
-    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}), ignored_modules=[inner.norm])
-    assert not isinstance(model.norm.weight, DTensor) and model.norm.weight.shape == (C.DIM,)
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}), ignored_modules=[inner.norm])
+    assert not isinstance(model.norm.weight, DTensor) and model.norm.weight.shape == (DIM,)
     assert isinstance(model.embed.weight, DTensor)
     C.lm_loss(model, C.local_part(C.batches(0, world), rank, world)).backward()
     grads = [torch.empty_like(model.norm.weight.grad) for _ in range(world)]
@@ -226,10 +227,10 @@ def passthrough_and_roots() -> None:
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     inner = C.make_model(0)
-    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}))
     assert model.module is inner and model._fsdp_wrapped_module is inner
     assert model.blocks is inner.blocks  # attribute passthrough
-    assert isinstance(model.blocks[0], FSDP) and isinstance(model.blocks[0].module, C.Block)
+    assert isinstance(model.blocks[0], FSDP) and isinstance(model.blocks[0].module, Block)
     assert model.blocks[0].attn is model.blocks[0].module.attn
     seq = FSDP(nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2)))
     assert isinstance(seq[1], nn.Linear)  # index passthrough
@@ -238,9 +239,9 @@ def passthrough_and_roots() -> None:
     assert FSDP.fsdp_modules(model, root_only=True) == [model]
     assert model.check_is_root() and not any(u.check_is_root() for u in units[1:])
     # Manual nesting: the inner unit stops being a root once wrapped.
-    block = FSDP(C.Block(C.DIM))
+    block = FSDP(Block(DIM))
     assert block.check_is_root()
-    outer = FSDP(nn.Sequential(block, nn.Linear(C.DIM, C.DIM)))
+    outer = FSDP(nn.Sequential(block, nn.Linear(DIM, DIM)))
     assert outer.check_is_root() and not block.check_is_root()
     holder = nn.ModuleDict({"a": FSDP(nn.Linear(2, 2)), "b": FSDP(nn.Linear(2, 2))})
     assert len(FSDP.fsdp_modules(holder, root_only=True)) == 2
@@ -264,7 +265,7 @@ def meshes_per_strategy() -> None:
         assert tuple(param.device_mesh.shape) == shape, name
         assert tuple(param.placements) == placements, name
         assert model.world_size == (1 if name == "NO_SHARD" else world)
-        assert param.to_local().shape[0] == C.VOCAB // model.world_size
+        assert param.to_local().shape[0] == VOCAB // model.world_size
 
 
 def hybrid_meshes_from_groups_and_env() -> None:
@@ -360,7 +361,6 @@ def mixed_precision_inputs_and_buffers() -> None:
     )
     assert out.dtype == torch.bfloat16
     assert model.module.scale.dtype == torch.bfloat16
-    assert model.buffer_original_dtypes() == {"scale": torch.float32}
     no_cast = FSDP(
         RecordsInputDtype(),
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False),
@@ -370,13 +370,13 @@ def mixed_precision_inputs_and_buffers() -> None:
     assert no_cast.module.seen == [torch.float32]
 
 
-def prefetch_settings_and_warnings() -> None:
-    from fsdp_interactive.fsdp import BackwardPrefetch, MixedPrecision, _config
+def prefetch_settings() -> None:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+    from fsdp_interactive.fsdp._unit_state import unit_state
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    policy = ModuleWrapPolicy({C.Block})
+    policy = ModuleWrapPolicy({Block})
     pre = FSDP(C.make_model(0), auto_wrap_policy=policy)
     assert all(
         not u.fsdp_module._get_fsdp_state()._states_to_backward_prefetch
@@ -394,33 +394,12 @@ def prefetch_settings_and_warnings() -> None:
         optim.step()
         optim.zero_grad()
         if step == 0:
-            order = [u.fsdp_module._get_fsdp_state() for u in none._fsdp_forward_order]
+            order = [u.sharded_module._get_fsdp_state() for u in unit_state(none).forward_order]
             assert len(order) == 3
             for current, following in itertools.pairwise(order):
                 assert current._states_to_forward_prefetch == [following]
     ref = C.train_reference(2, world)
     assert C.max_param_diff(C.full_params(none), ref.params) <= 1e-5
-
-    _config._warned.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        FSDP(
-            C.make_model(0),
-            backward_prefetch=BackwardPrefetch.BACKWARD_POST,
-            limit_all_gathers=False,
-            mixed_precision=MixedPrecision(
-                param_dtype=torch.bfloat16, keep_low_precision_grads=True
-            ),
-        )
-        FSDP(C.make_model(0), backward_prefetch=BackwardPrefetch.BACKWARD_POST)
-    messages = [str(w.message) for w in caught]
-    for needle in (
-        "BACKWARD_POST",
-        "limit_all_gathers",
-        "keep_low_precision_grads",
-        "use_orig_params",
-    ):
-        assert sum(needle in m for m in messages) == 1, (needle, messages)
 
 
 def sync_module_states_broadcasts_rank0() -> None:
@@ -430,7 +409,7 @@ def sync_module_states_broadcasts_rank0() -> None:
     rank = dist.get_rank()
     inner = C.make_model(seed=rank)  # every rank starts from different weights
     inner.register_buffer("counter", torch.full((3,), float(rank)))
-    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({C.Block}), sync_module_states=True)
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True)
     rank0 = dict(C.make_model(seed=0).named_parameters())
     with FSDP.summon_full_params(model, writeback=False):
         for name, param in model.named_parameters():
@@ -491,7 +470,7 @@ def test_mixed_precision_root_inputs_and_buffers(ranks2):
 
 
 def test_prefetch_arguments_change_the_schedule(ranks2):
-    ranks2.run(prefetch_settings_and_warnings)
+    ranks2.run(prefetch_settings)
 
 
 def test_sync_module_states(ranks2):
@@ -560,7 +539,7 @@ def _schedule(backward_prefetch, forward_prefetch: bool) -> tuple[list, list]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = FSDP(
         C.make_model(0),
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
     )
@@ -614,10 +593,10 @@ def activation_checkpointing_composes() -> None:
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, C.Block))
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     block = model.blocks[0]
-    assert isinstance(block.module, C.Block) and block.module is block.fsdp_module
+    assert isinstance(block.module, Block) and block.module is block.fsdp_module
     plain_names = [n for n, _ in C.make_model(0).named_parameters()]
     assert [n for n, _ in model.named_parameters()] == plain_names
     optim = C.make_optimizer(model.parameters())

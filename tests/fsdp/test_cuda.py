@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 pytestmark = pytest.mark.cuda
 
@@ -66,7 +67,7 @@ def _checks(rank: int, world: int) -> dict:
         hook = kwargs.pop("_hook", None)
         model = FSDP(
             C.make_model(0),
-            auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
             device_id=rank,
             use_orig_params=True,
             **kwargs,

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 MICRO_STEPS = 3
 
@@ -30,7 +31,7 @@ def no_sync_accumulation(strategy: str) -> tuple[list[int], float]:
     model = FSDP(
         C.make_model(0),
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=True,
     )
     optim = C.make_optimizer(model.parameters())
@@ -60,7 +61,7 @@ def no_sync_inner_unit_rejected() -> None:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 
-    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({C.Block}))
+    model = FSDP(C.make_model(0), auto_wrap_policy=ModuleWrapPolicy({Block}))
     assert model.check_is_root() and not model.blocks[0].check_is_root()
     with pytest.raises(RuntimeError, match="root"), model.blocks[0].no_sync():
         pass
@@ -92,7 +93,7 @@ def _clip_model():
     def policy(module: nn.Module):
         if module is first_block:
             return {"sharding_strategy": ShardingStrategy.NO_SHARD}
-        return isinstance(module, C.Block)
+        return isinstance(module, Block)
 
     model = FSDP(
         inner,

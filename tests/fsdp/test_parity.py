@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 STEPS = 3
 # fp32: the sharded reduction sums in another order than the single-process reference.
@@ -33,7 +34,7 @@ def _policy(wrap: str):
     from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
     if wrap == "class":
-        return ModuleWrapPolicy({C.Block})
+        return ModuleWrapPolicy({Block})
     if wrap == "size":
         return functools.partial(size_based_auto_wrap_policy, min_num_params=600)
     return None

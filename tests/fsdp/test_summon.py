@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests.fsdp import _common as C
+from tests.models import DIM, Block
 
 
 def _wrapped(strategy: str = "FULL_SHARD", bf16: bool = False) -> nn.Module:
@@ -22,7 +23,7 @@ def _wrapped(strategy: str = "FULL_SHARD", bf16: bool = False) -> nn.Module:
     return FSDP(
         C.make_model(0),
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None,
         use_orig_params=True,
     )
@@ -102,7 +103,7 @@ def summon_recurse_false_and_nested() -> None:
     block = model.blocks[0]
     assert isinstance(block, FSDP)
     with FSDP.summon_full_params(block, writeback=False):
-        assert block.attn.qkv.weight.shape == (3 * C.DIM, C.DIM)
+        assert block.attn.qkv.weight.shape == (3 * DIM, DIM)
         assert isinstance(model.blocks[1].attn.qkv.weight, DTensor)
         assert isinstance(model.embed.weight, DTensor)
     # A plain container holding units: recurse finds them.

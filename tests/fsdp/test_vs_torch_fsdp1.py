@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.fsdp import _common as C
+from tests.models import Block
 
 STEPS = 3
 
@@ -24,7 +25,7 @@ def _script(fsdp_cls, strategy: str, bf16: bool, **extra) -> tuple[list, list, d
     model = fsdp_cls(
         C.make_model(0),
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({C.Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None,
         **extra,
     )

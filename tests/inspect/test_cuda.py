@@ -9,7 +9,7 @@ from fsdp_interactive.pool import Pool, visible_cuda_device_count
 pytestmark = pytest.mark.cuda
 
 SETUP = """
-from tests.inspect.models import Tiny, backward
+from tests.models import Tiny, tiny_batch
 import copy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,7 +17,7 @@ torch.manual_seed(0)
 reference = Tiny().to(device)
 model = copy.deepcopy(reference)
 fully_shard(model, mesh=init_device_mesh("cuda", (world_size,)))
-x, y = (t.to(device) for t in __import__("tests.inspect.models", fromlist=["batch"]).batch())
+x, y = (t.to(device) for t in tiny_batch())
 for m in (model, reference):
     torch.nn.functional.mse_loss(m(x), y).backward()
 import fsdp_interactive.inspect as probes

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_interactive.inspect import GradNormRecorder, grad_norms, record_from_json
-from tests.inspect.models import backward, sharded_and_reference
+from tests.models import backward, sharded_and_reference
 
 RTOL = 1e-5
 

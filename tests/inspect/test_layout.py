@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_interactive.inspect import layout, merge_layouts
-from tests.inspect.models import backward, sharded_and_reference
+from tests.models import backward, sharded_and_reference
 
 
 def _layout_on_rank():

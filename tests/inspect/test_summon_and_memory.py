@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp_interactive.inspect import edit_param, memory, summon_stats
-from tests.inspect.models import sharded_and_reference
+from tests.models import sharded_and_reference
 
 
 def _stats_vs_full():

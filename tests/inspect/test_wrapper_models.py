@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp_interactive.inspect import edit_param, grad_norms, layout, merge_layouts, summon_stats
-from tests.inspect.models import backward, wrapped_and_reference
+from tests.models import backward, wrapped_and_reference
 
 
 def _probe_wrapped():

@@ -10,7 +10,7 @@ import torch
 from fsdp_interactive.notebook import CheckpointPanel, RankModel
 
 SETUP = """
-from tests.inspect.models import backward, sharded_and_reference
+from tests.models import backward, sharded_and_reference
 ckpt_model, _ = sharded_and_reference(seed=3)
 ckpt_optim = torch.optim.Adam(ckpt_model.parameters(), lr=0.01)
 backward(ckpt_model)

@@ -19,7 +19,7 @@ from fsdp_interactive.notebook import (
 )
 
 SETUP = """
-from tests.inspect.models import backward, sharded_and_reference
+from tests.models import backward, sharded_and_reference
 from fsdp_interactive.inspect import GradNormRecorder
 widget_model, widget_reference = sharded_and_reference()
 widget_optim = torch.optim.Adam(widget_model.parameters(), lr=0.01)

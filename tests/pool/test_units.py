@@ -8,9 +8,9 @@ import pytest
 
 from fsdp_interactive.pool import RankDied, RankError, RankInterrupted, TaggedPrinter
 from fsdp_interactive.pool._devices import _count, cuda_build
-from fsdp_interactive.pool._errors import collapse, describe_exit
 from fsdp_interactive.pool._stacks import describe, in_distributed, user_stack
 from fsdp_interactive.pool._topology import RankRecord, assign_ranks, format_table
+from fsdp_interactive.pool.errors import collapse, describe_exit
 
 
 def _engine(host: str, pid: int) -> dict:

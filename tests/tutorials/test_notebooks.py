@@ -15,7 +15,6 @@ way: ``IPP_NONINTERACTIVE=1 .venv/bin/jupyter execute --inplace notebooks/NN_nam
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from fsdp_interactive.pool._pids import end_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -51,17 +52,6 @@ def processes_with_marker(value: str) -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return found
-
-
-def end_processes(processes: list[psutil.Process]) -> None:
-    """End processes this test started (found by its marker), by pid."""
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=5)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
 
 
 def passed_cells(report: Path) -> dict[str, int]:
@@ -113,7 +103,8 @@ def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path):
         time.sleep(1)  # let exiting engines finish their shutdown
         leaked = processes_with_marker(marker)
         leaked_desc = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in leaked if p.is_running()]
-        end_processes(leaked)
+        # by pid and start time, as found (psutil.Process keeps the start time it saw)
+        end_processes({p.pid: p.create_time() for p in leaked})
     output = run.stdout[-20000:] + run.stderr[-5000:]
     assert run.returncode == 0, f"nbval failed:\n{output}"
     assert not leaked_desc, f"processes left running after the notebooks: {leaked_desc}"
