@@ -12,11 +12,20 @@ import functools
 import inspect
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from torch import nn
 
 from fsdp_interactive import _torch_compat as compat
@@ -477,3 +486,34 @@ def test_the_rule_finds_private_torch_names(tmp_path):
         "._local_tensor",
         "'_fqn_modifiers'",
     }
+
+
+# ---------------------------------------------------------------------------- the range
+
+REPO = PACKAGE.parent
+
+
+def _torch_requirement() -> SpecifierSet:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [r for r in map(Requirement, declared) if r.name == "torch"]
+    return torch_req.specifier
+
+
+def test_the_admitted_torch_range_is_the_checked_one():
+    """pyproject.toml admits from the lowest checked release to the newest checked minor."""
+    checked = sorted(Version(v) for v in compat.CHECKED_ON)
+    admitted = _torch_requirement()
+    assert all(v in admitted for v in checked), f"{admitted} leaves out one of {checked}"
+    lowest, newest = checked[0], checked[-1]
+    below = Version(f"{lowest.major}.{lowest.minor}.{lowest.micro - 1}" if lowest.micro else "0")
+    assert below not in admitted, f"{admitted} admits {below}, below the lowest checked {lowest}"
+    above = Version(f"{newest.major}.{newest.minor + 1}.0")
+    assert above not in admitted, f"{admitted} admits {above}, newer than any checked release"
+
+
+def test_ci_runs_the_lowest_and_the_newest_checked_release():
+    ci = (REPO / ".ci" / "run").read_text()
+    lanes = re.search(r"for torch_version in ([\d. ]+); do\n\s+make test-torch ", ci)
+    assert lanes, ".ci/run runs no make test-torch lanes"
+    checked = sorted(compat.CHECKED_ON, key=Version)
+    assert lanes.group(1).split() == [checked[0], checked[-1]]
