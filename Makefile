@@ -34,12 +34,10 @@ test: setup lint
 # pyproject.toml admits and the newest one installable here:
 #   make test-torch TORCH_VERSION=2.9.1
 # tests/test_torch_compat.py checks every private torch name the package uses; fsdp/,
-# inspect/ and checkpoint/ run all the code that uses them; of pool/ (no private torch
-# names, 3 of a lane's 5 minutes of tests) the tests that start ranks and run torch on them.
+# inspect/ and checkpoint/ run the code that uses them, pool/ starts ranks that run torch.
 TORCH_VERSION ?=
 TORCH_VENV     = .venv-torch-$(TORCH_VERSION)
-TORCH_TESTS   ?= tests/test_torch_compat.py tests/fsdp tests/inspect tests/checkpoint \
-                 tests/pool/test_pool_basics.py tests/pool/test_doctor.py
+TORCH_TESTS   ?= tests/test_torch_compat.py tests/fsdp tests/inspect tests/checkpoint tests/pool
 
 setup-torch:
 	@if [ -z "$(TORCH_VERSION)" ]; then echo "usage: make $@ TORCH_VERSION=2.9.1" >&2; exit 2; fi

@@ -9,9 +9,10 @@ it was checked on; where versions differ it has one branch per version, each doi
 same thing.
 
 "Checked" means: the package's tests ran on these torch releases (the PyPI wheels of 2.9.1
-and 2.14.1, the CPU build of 2.13.0). For the two entries that differ between versions the
-sources of 2.10.0, 2.11.0 and 2.12.1 were read as well; the version boundaries given come
-from there.
+and 2.14.1, the CPU build of 2.13.0: what CI runs). For the two entries that differ between
+versions, the tests of this module, fsdp/, inspect/ and checkpoint/ also ran on 2.11.0 and
+2.12.1 (the last release of one side and the first of the other), and the sources of 2.10.0
+were read.
 
 ``tests/test_torch_compat.py`` exercises every entry on the running torch (signatures and
 attributes included), so a torch release that moves one fails the test named after it. A
@@ -270,8 +271,8 @@ def fsdp_param_groups(module: FSDPModule) -> list[Any]:
     parameter of ``module`` itself. The group attributes read or set here (``mesh_info``,
     ``post_forward_mesh_info``, ``fsdp_params``; per parameter ``sharded_param``,
     ``padded_sharded_param_size``) are the same on every version.
-    checked: 2.9.1 (one group), 2.13.0, 2.14.1 (list); sources: 2.10.0, 2.11.0 (one group),
-    2.12.1 (list)
+    checked: 2.9.1, 2.11.0 (one group), 2.12.1, 2.13.0, 2.14.1 (list); sources: 2.10.0 (one
+    group)
     """
     state = module._get_fsdp_state()
     groups = vars(state).get("_fsdp_param_groups")
@@ -386,8 +387,8 @@ def set_optimizer_state_dict(
     with no state, as torch 2.10+ does by itself. torch 2.9 raises ``KeyError`` there: on
     it, each such parameter gets an empty entry for the load, and its state is removed
     from the optimizer after it, so the optimizer ends with the same state as on 2.10+.
-    checked: 2.9.1 (empty entries), 2.13.0, 2.14.1 (torch alone); sources: 2.10.0,
-    2.11.0, 2.12.1 (torch alone)
+    checked: 2.9.1 (empty entries), 2.11.0, 2.12.1, 2.13.0, 2.14.1 (torch alone); sources:
+    2.10.0 (torch alone)
     """
     from torch.distributed.checkpoint.state_dict import (
         set_optimizer_state_dict as torch_set_optimizer_state_dict,
