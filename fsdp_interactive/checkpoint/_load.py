@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._torch_compat import set_element
 from fsdp_interactive.checkpoint import _manifest, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT
 from fsdp_interactive.checkpoint._safe_reader import (

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fsdp_interactive._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, set_element
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
@@ -54,9 +54,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     if not _ALLOWED_GLOBALS:
         import pathlib
 
-        import torch.distributed.checkpoint.filesystem as dcp_fs
         import torch.distributed.checkpoint.metadata as dcp_md
-        import torch.serialization
 
         for name in (
             "Metadata",
@@ -66,15 +64,11 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             "TensorProperties",
             "MetadataIndex",
             "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
         ):
             if hasattr(dcp_md, name):
                 _ALLOWED_GLOBALS[(_DCP_METADATA_MODULE, name)] = getattr(dcp_md, name)
-        _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = (
-            dcp_fs._StorageInfo
-        )
+        _ALLOWED_GLOBALS.update(DCP_METADATA_PRIVATE_GLOBALS)
         _ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
-        _ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
         for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
             _ALLOWED_GLOBALS[("pathlib", name)] = getattr(pathlib, name)
         _ALLOWED_GLOBALS[("collections", "OrderedDict")] = __import__("collections").OrderedDict

@@ -32,17 +32,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
+from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, get_fqns, set_optimizer_state_dict
 from fsdp_interactive.fsdp._raw_state_dict import raw_state_dict
-
-_FQN_MODIFIERS = "_fqn_modifiers"
 
 
 def _hidden_children(module: nn.Module) -> set[str]:
-    modifiers = getattr(module, _FQN_MODIFIERS, None)
+    modifiers = getattr(module, FQN_MODIFIERS_METHOD, None)
     if modifiers is None or not callable(modifiers):
         return set()
     return set(modifiers().values())
@@ -89,15 +87,10 @@ def dcp_param_keys(model: nn.Module) -> dict[str, str]:
     DCP derives its keys from ``model.named_parameters()`` (which a wrapper class may
     already clean) through its FQN resolution; both spellings map to the clean FQN.
     """
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - torch without the helper
-        _get_fqns = None
     clean_by_id = _fqn_by_param_id(model)
     out = {}
     for name, param in model.named_parameters():
-        keys = _get_fqns(model, name) if _get_fqns is not None else {name}
-        for key in keys:
+        for key in get_fqns(model, name):
             out[key] = clean_by_id.get(id(param), key)
     return out
 

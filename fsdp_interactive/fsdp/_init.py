@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_interactive.fsdp._torch_internals import flatten_dense_tensors, unflatten_dense_tensors
+from fsdp_interactive._torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
 logger = logging.getLogger(__name__)
 
