@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool
 from tests.multihost.conftest import left_on_hosts
 from tests.multihost.launchers import ssh_pool_kwargs
+from tests.multihost.testhosts import HostSet
 
 pytestmark = pytest.mark.multihost
 
@@ -71,6 +73,53 @@ def test_stacks_of_ranks_on_other_hosts_name_host_and_file(ssh_pool):
     for record in ssh_pool.topology:
         assert stacks[record.rank].startswith(f"(stack written on {record.host}:")
         assert where[record.rank] == "unknown: no stack dump received"
+
+
+def listening(hosts: HostSet, host: str, pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket process ``pid`` listens on, on ``host``."""
+    out = hosts.run(host, ["ss", "-H", "-tlnp"]).stdout
+    found = set()
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            address, port = line.split()[3].rsplit(":", 1)
+            found.add((address, int(port)))
+    return found
+
+
+def store_port(pool: Pool) -> int:
+    return int(
+        pool.run("import os; os.environ['MASTER_PORT']", targets=0, stream=False)
+        .results[0]
+        .strip("'")
+    )
+
+
+def test_controller_and_gloo_listen_on_the_pools_addresses_only(ssh_pool, testhosts):
+    controller = psutil.Process(ssh_pool._cluster.controller.pid)
+    addresses = {
+        c.laddr.ip
+        for proc in [controller, *controller.children(recursive=True)]
+        for c in proc.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert addresses and addresses <= {testhosts.head_address, "127.0.0.1"}, addresses
+    port = store_port(ssh_pool)
+    for record in ssh_pool.topology:
+        sockets = listening(testhosts, record.host, record.pid) - {("0.0.0.0", port), ("*", port)}
+        assert sockets, f"rank {record.rank} listens on nothing"
+        assert {address for address, _ in sockets} <= {record.address, "127.0.0.1"}, sockets
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="rank 0 binds the rendezvous store to all interfaces on multi-host pools "
+    "(open_store('')); a socket bound to rank 0's address, passed as master_listen_fd, works",
+)
+def test_rendezvous_store_listens_on_rank0s_address_only(ssh_pool, testhosts):
+    rank0 = ssh_pool.topology[0]
+    port = store_port(ssh_pool)
+    sockets = {s for s in listening(testhosts, rank0.host, rank0.pid) if s[1] == port}
+    assert sockets == {(rank0.address, port)}
 
 
 def test_restart_brings_a_fresh_group_up_on_both_hosts(ssh_pool):
