@@ -726,12 +726,6 @@ class HostSet:
             (self.state_dir / "state.json").unlink()
         return report
 
-    def remove_files(self) -> None:
-        """Delete the state directory (after :meth:`down`)."""
-        if self._state:
-            raise HostSetError("bring the set down before removing its files")
-        shutil.rmtree(self.state_dir, ignore_errors=True)
-
     # ------------------------------------------------------------------ internals
 
     def _host_entry(self, name: str) -> dict[str, Any]:
