@@ -227,6 +227,7 @@ def _plural(what: str, count: int) -> str:
 
 
 TABLE_HEADERS = ("group", "#", "ranks", "op", "in", "out", "dtype", "state", "issued at")
+_NO_ISSUER_HEADERS = TABLE_HEADERS[:-1]
 
 
 def table_rows(dumps: Mapping[int, RecorderDump], last: int = 20) -> list[tuple[str, ...]]:
@@ -284,10 +285,14 @@ def table_text(dumps: Mapping[int, RecorderDump], last: int = 20) -> str:
     rows = table_rows(dumps, last=last)
     if not rows:
         return ""
-    widths = [len(h) for h in TABLE_HEADERS]
+    headers: tuple[str, ...] = TABLE_HEADERS
+    if all(row[-1] in ("-", "") for row in rows):  # recorded without the issuing stacks
+        headers = _NO_ISSUER_HEADERS
+        rows = [row[:-1] for row in rows]
+    widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    lines = [TABLE_HEADERS, *rows]
+    lines = [headers, *rows]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
     )

@@ -172,10 +172,13 @@ class Diagnosis:
             report.where[rank] = describe(frames, code)
         return report
 
-    def trace(self, ranks: Sequence[int] | None = None, last: int | None = None) -> dict[int, Any]:
+    def trace(
+        self, ranks: Sequence[int] | None = None, last: int | None = None, issued_at: bool = False
+    ) -> dict[int, Any]:
         """Every asked rank's flight-recorder dump (ranks that did not answer are missing)."""
         ranks = [r.rank for r in self._records] if ranks is None else list(ranks)
-        replies = self.agents.ask(ranks, {"op": "trace", "last": last})
+        request = {"op": "trace", "last": last, "issued_at": issued_at}
+        replies = self.agents.ask(ranks, request, _NATIVE_TIMEOUT_S if issued_at else None)
         return {rank: reply["trace"] for rank, reply in replies.items()}
 
     def timeout_error(

@@ -101,6 +101,17 @@ def _stop_live_pools() -> None:
 atexit.register(_stop_live_pools)
 
 
+class DebuggerOutput(str):
+    """What one post-mortem debugger command printed; ``active``: the session goes on."""
+
+    active: bool
+
+    def __new__(cls, text: str, active: bool) -> DebuggerOutput:
+        output = super().__new__(cls, text)
+        output.active = active
+        return output
+
+
 class Pool:
     """A pool of ``n`` engines, each one ``torch.distributed`` rank.
 
@@ -576,19 +587,23 @@ class Pool:
                 stacks[rank] += f"\n--- native stack (py-spy) ---\n{text}"
         return stacks, report.where
 
-    def trace(self, last: int = 20, targets: Targets = None) -> CollectiveTrace:
+    def trace(
+        self, last: int = 20, targets: Targets = None, *, issued_at: bool = False
+    ) -> CollectiveTrace:
         """Every rank's recent collectives (torch's flight recorder) and where they disagree.
 
         ``str()`` of the result is the findings ("rank 0 waits in barrier #12; rank 1
         never issued #12 ...") and a table of the last ``last`` collectives per process
         group, merged across ranks that agree. Works while ranks are busy or blocked.
+        ``issued_at=True`` adds the line that issued each collective; the first such call
+        makes torch load its stack symbolizer on every rank (about 1.4 s and 70 MB each).
         """
         self._require_running()
         if isinstance(last, bool) or not isinstance(last, int) or last < 1:
             raise ValueError(f"last must be a number of collectives >= 1, got {last!r}")
         assert self._diagnosis is not None
         ranks = resolve_targets(targets, self.world_size)
-        dumps = self._diagnosis.trace(ranks)
+        dumps = self._diagnosis.trace(ranks, issued_at=issued_at)
         busy = set(self._unfinished.busy_ranks())
         findings = diagnose(dumps, finished=[r for r in ranks if r not in busy])
         silent = [rank for rank in ranks if rank not in dumps]
@@ -596,7 +611,7 @@ class Pool:
             findings.append(f"no answer from the agents of ranks {silent}")
         return CollectiveTrace(dumps, findings, last)
 
-    def debug(self, rank: int, command: str | None = None) -> str:
+    def debug(self, rank: int, command: str | None = None) -> DebuggerOutput:
         """Run one pdb ``command`` on the last exception a notebook cell raised on ``rank``.
 
         The session lives on between calls (``up`` stays up) until ``q``; without a
@@ -610,7 +625,7 @@ class Pool:
         if command is not None and not isinstance(command, str):
             raise TypeError(f"command must be a pdb command (str) or None, got {command!r}")
         reply = self._debug(rank, command)
-        return str(reply["output"])
+        return DebuggerOutput(reply["output"], active=bool(reply["active"]))
 
     def _debug(self, rank: int, command: str | None) -> dict[str, Any]:
         assert self._diagnosis is not None

@@ -23,7 +23,8 @@ slow answer (py-spy) does not hold up another:
 * ``stacks`` (``native``: add py-spy's native frames of the user thread; ``trace``: add
   the last N flight-recorder entries) -> ``{"threads": [ThreadStack], "native",
   "native_error", "trace": RecorderDump | None}``;
-* ``trace`` (``last``) -> ``{"trace": RecorderDump}``;
+* ``trace`` (``last``, ``issued_at``: also the line that issued each collective, slow
+  the first time) -> ``{"trace": RecorderDump}``;
 * ``debug`` (``command``) -> one post-mortem pdb command (:mod:`._rank_debugger`);
 * ``fault_link``: this connection becomes the target of faulthandler's dump on
   :data:`STACK_SIGNAL` (the fallback for a rank whose agent cannot answer because a
@@ -144,7 +145,10 @@ class RankAgent:
                 reply["trace"] = _torch_recorder.dump(request["trace"], self.code_name)
             return reply
         if op == "trace":
-            return {"trace": _torch_recorder.dump(request.get("last"), self.code_name)}
+            trace = _torch_recorder.dump(
+                request.get("last"), self.code_name, issued_at=bool(request.get("issued_at"))
+            )
+            return {"trace": trace}
         if op == "debug":
             return _rank_debugger.post_mortem(request.get("command"), self.code_name)
         raise ValueError(f"unknown request {op!r}")

@@ -255,16 +255,30 @@ def rendezvous_store() -> Any:
 
 
 def set_title(title: str) -> None:
-    """Show ``title`` as this process's command line (``ps``, ``psutil.Process.cmdline()``).
+    """Show ``title`` as this process's command line (``ps``, ``psutil.Process.cmdline()``)
+    and, cut to 15 characters, as its name (``top``, ``psutil.Process.name()``).
 
-    setproctitle is told to leave the environment block alone (``SPT_NOENV``), so
-    ``/proc/<pid>/environ`` stays readable; the title is then cut to the length of the
-    original command line. Without setproctitle nothing changes.
+    Linux: the title is written over the original command line's memory, whose bounds
+    the kernel gives in ``/proc/self/stat`` (it is cut to that length, and the
+    environment block next to it is left alone, so ``/proc/<pid>/environ`` stays
+    readable); the name through ``prctl(PR_SET_NAME)``. setproctitle would find that
+    memory by scanning from the environment, which a forked engine has rebuilt.
+    Elsewhere, or when the kernel does not say, nothing changes.
     """
-    os.environ.setdefault("SPT_NOENV", "1")
     try:
-        import setproctitle
-    except ImportError:
-        log.debug("setproctitle is not installed; the process title stays as it was")
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of stat(5)
+    except (OSError, ValueError, IndexError, AttributeError):
+        log.debug("no process title on this platform")
         return
-    setproctitle.setproctitle(title)
+    size = arg_end - arg_start
+    if size > 1:
+        data = title.encode()[: size - 1]
+        ctypes.memmove(arg_start, data + b"\0" * (size - len(data)), size)
+    pr_set_name = 15
+    libc.prctl(pr_set_name, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)

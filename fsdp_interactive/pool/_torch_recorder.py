@@ -96,11 +96,19 @@ def _raw_dump(stack_traces: bool) -> dict[str, Any]:
     return pickle.loads(function(True, stack_traces, False))
 
 
-def dump(last: int | None = None, code_name: CodeName | None = None) -> RecorderDump:
-    """This rank's recorder: its last ``last`` entries (all when ``None``)."""
+def dump(
+    last: int | None = None, code_name: CodeName | None = None, issued_at: bool = False
+) -> RecorderDump:
+    """This rank's recorder: its last ``last`` entries (all when ``None``).
+
+    ``issued_at``: also say which line issued each collective, from the Python stacks
+    the recorder keeps. torch symbolizes those stacks on the first such dump, which
+    imports ``torch._inductor`` (measured on torch 2.13: about 1.4 s and 70 MB per
+    process); without it a dump takes well under a millisecond.
+    """
     if _note is not None:
         return RecorderDump(note=_note)
-    raw = _raw_dump(stack_traces=True)
+    raw = _raw_dump(stack_traces=issued_at)
     entries = list(raw.get("entries", []))
     if last is not None:
         entries = entries[-last:]
