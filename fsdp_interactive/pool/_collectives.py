@@ -22,6 +22,12 @@ from fsdp_interactive.pool._stacks import Frame, location
 
 DEFAULT_GROUP = "0"
 
+#: Collectives whose tensors legitimately differ in size between ranks (a root gathers or
+#: scatters; all-to-all splits unevenly): only the op and dtypes must agree.
+_RAGGED_OPS = frozenset(
+    {"gather", "scatter", "all_to_all", "alltoall", "alltoall_base", "all_to_all_single"}
+)
+
 
 @dataclass(frozen=True)
 class CollectiveRecord:
@@ -49,8 +55,12 @@ class CollectiveRecord:
     p2p: bool = False
 
     def signature(self) -> tuple[object, ...]:
-        """What every rank of a group must agree on for the same ``seq``."""
-        return (self.op, self.input_sizes, self.input_dtypes, self.output_sizes)
+        """What every rank of a group must agree on for the same ``seq``: the op, and the
+        input sizes and dtypes unless the op's sizes differ by rank (gather, scatter,
+        all-to-all); outputs are not compared (a gather's root alone has them)."""
+        if self.op in _RAGGED_OPS:
+            return (self.op, frozenset(self.input_dtypes + self.output_dtypes))
+        return (self.op, self.input_sizes, self.input_dtypes)
 
     def shapes(self) -> str:
         """``Float 3x4`` style text of the inputs (outputs when there are no inputs)."""

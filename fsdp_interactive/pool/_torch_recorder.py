@@ -4,7 +4,8 @@ The one place the pool touches torch's private flight-recorder names
 (``torch._C._distributed_c10d._dump_fr_trace``); everything else sees
 :class:`~._collectives.RecorderDump`.
 
-Checked on torch 2.13.0 (CPU build, gloo): ``_dump_fr_trace(includeCollectives,
+Checked on torch 2.13.0 (CPU build) and 2.9.1 (PyPI's CUDA build, run on CPU), gloo,
+with the same results: ``_dump_fr_trace(includeCollectives,
 includeStackTraces, onlyActive)`` returns a pickled dict with ``entries`` (one per
 collective: ``profiling_name`` such as ``"gloo:all_reduce"``, ``collective_seq_id``,
 ``process_group`` = ``(id, description)``, input/output sizes and dtypes, ``state``,

@@ -160,3 +160,11 @@ def test_interrupt_report_says_per_rank_what_happened():
     ]
     assert "%fsdp restart" in lines[3] and report.needs_restart
     assert "pool.restart()" in str(report)
+
+
+def test_rooted_collectives_with_per_rank_sizes_are_not_a_mismatch():
+    root = CollectiveRecord(
+        "0", "default_pg", 9, "gather", "gloo", ((7,),), ((2, 7),), ("Byte",), ("Byte",)
+    )
+    leaf = CollectiveRecord("0", "default_pg", 9, "gather", "gloo", ((7,),), (), ("Byte",), ())
+    assert diagnose({0: _dump(root), 1: _dump(leaf)}) == []
