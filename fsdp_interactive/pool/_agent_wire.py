@@ -65,14 +65,7 @@ def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connect
     sock = socket.create_connection(address, timeout=timeout)
     sock.settimeout(None)  # blocking descriptor; the bound below applies instead
     set_timeout(sock, timeout)
-    conn = Connection(sock.detach())
-    try:
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return _handshake(Connection(sock.detach()), authkey, server=False)
 
 
 def accept(sock: socket.socket, authkey: bytes) -> Connection:
@@ -82,12 +75,22 @@ def accept(sock: socket.socket, authkey: bytes) -> Connection:
     without bound. Raises as :func:`connect` does; the socket is closed then.
     """
     set_timeout(sock, HANDSHAKE_TIMEOUT_S)
-    conn = Connection(sock.detach())
+    conn = _handshake(Connection(sock.detach()), authkey, server=True)
+    set_timeout(conn.fileno(), None)
+    return conn
+
+
+def _handshake(conn: Connection, authkey: bytes, *, server: bool) -> Connection:
+    """Both challenges, the server's first (as ``Listener``/``Client`` order them); the
+    connection is closed when either fails."""
     try:
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
+        if server:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        else:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
     except BaseException:
         conn.close()
         raise
-    set_timeout(conn.fileno(), None)
     return conn

@@ -185,9 +185,16 @@ def test_bad_debugging_options_are_refused(pool: Pool):
         Pool(check_collectives="yes")  # type: ignore[arg-type]
 
 
-def test_strict_collectives_turn_a_shape_mismatch_into_an_error(profile_dir: str):
+def test_strict_collectives_turn_a_shape_mismatch_into_an_error_and_no_recorder_is_said(
+    profile_dir: str,
+):
     strict = Pool(
-        n=2, devices="cpu", profile_dir=profile_dir, show_topology=False, check_collectives=True
+        n=2,
+        devices="cpu",
+        profile_dir=profile_dir,
+        show_topology=False,
+        check_collectives=True,
+        flight_recorder=0,
     )
     try:
         strict.start()
