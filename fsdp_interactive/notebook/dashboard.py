@@ -95,13 +95,13 @@ class Dashboard(View):
         self._ranks = w.HTML()
         self._memory_image = png_image()
         self._refresh_button = w.Button(description="Refresh all", icon="refresh")
-        self._refresh_button.on_click(lambda _: self.refresh())
+        self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
         overview = w.VBox([self._ranks, self._memory_image])
         children = [overview] + [part.widget for _, part in self._parts()]
         tabs = w.Tab(children=children)
         for index, title in enumerate(["Ranks"] + [name for name, _ in self._parts()]):
             tabs.set_title(index, title)
-        return w.VBox([self._refresh_button, tabs])
+        return w.VBox([self._refresh_button, tabs, self._error_box()])
 
     def _update_widget(self) -> None:
         self._ranks.value = topology_html(self.source.topology()) + memory_html(self.memory)

@@ -63,14 +63,20 @@ class GradNormView(View):
         self._refresh_button = w.Button(
             description="Recompute", icon="refresh", disabled=self.source is None
         )
-        self._refresh_button.on_click(lambda _: self.refresh())
+        self._refresh_button.on_click(self._clicked(self.refresh, "recomputing"))
         self._toggle = w.ToggleButtons(options=["params", "modules"], value=self.by)
         self._toggle.observe(lambda change: self.show_by(change["new"]), names="value")
         self._total = w.HTML()
         self._table = w.HTML()
         self._image = png_image()
         return w.VBox(
-            [w.HBox([self._refresh_button, self._toggle]), self._total, self._image, self._table]
+            [
+                w.HBox([self._refresh_button, self._toggle]),
+                self._error_box(),
+                self._total,
+                self._image,
+                self._table,
+            ]
         )
 
     def _update_widget(self) -> None:

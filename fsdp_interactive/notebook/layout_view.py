@@ -48,8 +48,8 @@ class LayoutView(View):
         self._refresh_button = w.Button(
             description="Refresh", icon="refresh", disabled=self.source is None
         )
-        self._refresh_button.on_click(lambda _: self.refresh())
-        return w.VBox([self._refresh_button, self._table, self._image])
+        self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
+        return w.VBox([self._refresh_button, self._error_box(), self._table, self._image])
 
     def _update_widget(self) -> None:
         self._table.value = layout_html(self.data)

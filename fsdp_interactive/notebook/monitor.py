@@ -153,10 +153,15 @@ class GradNormMonitor(View):
         self._follow_button = w.ToggleButton(
             description="Follow", value=False, disabled=self.log_path is None
         )
-        self._refresh_button.on_click(lambda _: self.poll())
+        self._refresh_button.on_click(self._clicked(self.poll, "refresh"))
         self._follow_button.observe(self._on_follow, names="value")
         return w.VBox(
-            [w.HBox([self._refresh_button, self._follow_button]), self._summary, self._image]
+            [
+                w.HBox([self._refresh_button, self._follow_button]),
+                self._error_box(),
+                self._summary,
+                self._image,
+            ]
         )
 
     def _on_follow(self, change: dict[str, Any]) -> None:

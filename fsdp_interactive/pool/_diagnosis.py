@@ -1,46 +1,58 @@
 """What the pool tells about its ranks when a call does not end normally.
 
-Four reports, each an exception of :mod:`.errors` built here:
+Reports, each built from what the ranks' diagnostics agents answer over the network
+(:mod:`._agent_client`; local and remote ranks alike, nothing is read from a file):
 
-* stacks (:meth:`Diagnosis.stacks`): each rank registered ``faulthandler`` on
-  :data:`~._rank_bootstrap.STACK_SIGNAL`, writing to a per-rank file
-  (:class:`StackFiles`); the pool sends the signal through ipyparallel's nanny and reads
-  what was appended. The dump is written from the C signal handler, so it works while a
-  rank's main thread is blocked inside a C++ collective, and nothing is interrupted.
-  :mod:`._stacks` parses the text.
-* a timeout (:meth:`Diagnosis.timeout_error`): where every rank is, and the stacks of
-  the ranks still running;
+* stacks (:meth:`Diagnosis.stacks`): every rank's user thread as a traceback with
+  source lines (and, on request, py-spy's native frames). A rank whose agent does not
+  answer (a thread holds the GIL in C code) is asked through the fallback: the pool
+  signals it (:data:`~._rank_agent.STACK_SIGNAL`, through ipyparallel's nanny) and its
+  faulthandler writes the stack into the rank's fault link from the C signal handler;
+  such stacks say so and carry no source lines except for cell code;
+* collectives (:meth:`Diagnosis.trace`): every rank's flight-recorder entries and the
+  one-line diagnosis where ranks disagree (:mod:`._collectives`);
+* a timeout (:meth:`Diagnosis.timeout_error`): where every rank is, the diagnosis, the
+  last collectives and the stacks of the ranks still running;
 * a death (:meth:`Diagnosis.death_error`): exit status and last output lines of each
   dead rank, asked of the launcher of its engine (:class:`~._processes.EngineProcess`);
 * an interrupt (:meth:`Diagnosis.interrupt_error`, :func:`interrupted_on_ranks`): which
-  ranks did not stop and where they are, and whether one was inside
+  ranks did not stop (and where they are) and whether one was inside
   ``torch.distributed`` (then the group must be restarted).
 
 Not done here: deciding when to report (the waiting in :mod:`._dispatch` does) or acting
-on a report (the pool tears down a group that lost a rank). Stack files of ranks on
-other hosts stay there; their path is reported instead of their stack.
+on a report (the pool tears down a group that lost a rank).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_interactive.pool._rank_bootstrap import STACK_SIGNAL
-from fsdp_interactive.pool._stacks import Frame, describe, format_stack, in_distributed, user_stack
+from fsdp_interactive.pool._agent_client import RankAgents
+from fsdp_interactive.pool._collectives import RecorderDump, diagnose, table_text
+from fsdp_interactive.pool._rank_agent import STACK_SIGNAL
+from fsdp_interactive.pool._stacks import (
+    Frame,
+    describe,
+    format_stack,
+    in_distributed,
+    user_frames,
+    user_stack,
+    with_cell_sources,
+)
 from fsdp_interactive.pool._topology import RankRecord
 from fsdp_interactive.pool.errors import RankDied, RankInterrupted, RankTimeout, strip_ansi
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
-_STACK_WAIT_S = 3.0
+_SIGNAL_WAIT_S = 3.0
+_NATIVE_TIMEOUT_S = 90.0
+#: Collectives per group shown in a timeout's message (the recorder keeps more).
+_TIMEOUT_TABLE_ROWS = 6
 
 #: ``signal(ranks, signal number)``: how the diagnosis reaches the ranks.
 Signaller = Callable[[list[int], int], None]
@@ -61,90 +73,113 @@ def mentions_distributed(traceback_text: str) -> bool:
 
 @dataclass(frozen=True)
 class StackReport:
-    """Every rank's stack at one moment: ``stacks`` (traceback order), ``where`` (one
-    line each) and the parsed user ``frames`` (innermost first; absent without a dump)."""
+    """Every asked rank's stack at one moment.
+
+    ``stacks``: traceback-order text; ``where``: one line each; ``frames``: the parsed
+    user frames (innermost first; absent without any answer); ``source``: how each stack
+    came (``"agent"``, ``"signal"``, or ``"none"``); ``native``: py-spy's text (or why
+    there is none) when native frames were asked for; ``traces``: flight-recorder dumps
+    when asked for; ``seconds``: how long each rank took to answer its agent.
+    """
 
     stacks: dict[int, str]
     where: dict[int, str]
     frames: dict[int, list[Frame]]
-
-
-class StackFiles:
-    """The per-rank files ranks append their stack dumps to, read from this host."""
-
-    def __init__(self, paths: Mapping[int, str], hosts: Mapping[int, str]) -> None:
-        self._paths = dict(paths)
-        self._hosts = dict(hosts)
-        self._local = socket.gethostname()
-
-    def readable(self, rank: int) -> bool:
-        return self._hosts[rank] == self._local
-
-    def location(self, rank: int) -> str:
-        return f"{self._hosts[rank]}:{self._paths[rank]}"
-
-    def sizes(self, ranks: Sequence[int]) -> dict[int, int]:
-        """Current size of each rank's file, to read only what is appended after."""
-        return {rank: _size(self._paths[rank]) for rank in ranks}
-
-    def read_appended(
-        self, sizes: Mapping[int, int], wait_s: float = _STACK_WAIT_S
-    ) -> dict[int, str]:
-        """What each readable rank appended beyond ``sizes``, waiting up to ``wait_s``."""
-        wanted = [rank for rank in sizes if self.readable(rank)]
-        dumps: dict[int, str] = {}
-        end = time.monotonic() + wait_s
-        while len(dumps) < len(wanted) and time.monotonic() < end:
-            for rank in wanted:
-                path = self._paths[rank]
-                if rank not in dumps and _size(path) > sizes[rank]:
-                    time.sleep(_POLL_S)  # let the signal handler finish writing
-                    with open(path) as f:
-                        f.seek(sizes[rank])
-                        dumps[rank] = f.read()
-            if len(dumps) < len(wanted):
-                time.sleep(_POLL_S)
-        return dumps
+    source: dict[int, str] = field(default_factory=dict)
+    native: dict[int, str] = field(default_factory=dict)
+    traces: dict[int, RecorderDump] = field(default_factory=dict)
+    seconds: float = 0.0
 
 
 class Diagnosis:
-    """Reports on the ranks of one running group (``records`` in rank order)."""
+    """Reports on the ranks of one running group (``records`` in rank order).
+
+    ``agents``: the ranks' diagnostics agents; ``thread_ids``: each rank's user thread
+    (to pick its block out of a faulthandler dump); ``signal(ranks, sig)``: how ranks are
+    signalled.
+    """
 
     def __init__(
         self,
         records: Sequence[RankRecord],
         *,
+        agents: RankAgents,
         thread_ids: Mapping[int, int],
-        stack_files: StackFiles,
         signal: Signaller,
     ) -> None:
         self._records = list(records)
+        self.agents = agents
         self._thread_ids = dict(thread_ids)
-        self._files = stack_files
         self._signal = signal
 
-    def stacks(self, code: str | None = None, ranks: Sequence[int] | None = None) -> StackReport:
-        """The current Python stack of ``ranks`` (default: all), without stopping any.
+    def stacks(
+        self,
+        code: str | None = None,
+        ranks: Sequence[int] | None = None,
+        *,
+        cell: str | None = None,
+        native: bool = False,
+        trace: int | None = None,
+    ) -> StackReport:
+        """The current stack of ``ranks`` (default: all), without stopping any.
 
-        ``code``: the cell source sent to the ranks, to quote the line a rank is on.
+        ``code``/``cell``: the source and label ("Cell In[15]") of the cell the ranks run,
+        to complete fallback stacks; ``native``: add py-spy's frames; ``trace``: also fetch
+        the last ``trace`` flight-recorder entries in the same round trip.
         """
         ranks = [r.rank for r in self._records] if ranks is None else list(ranks)
-        sizes = self._files.sizes(ranks)
-        self._signal(ranks, STACK_SIGNAL)
-        dumps = self._files.read_appended(sizes)
-        log.debug("stack dumps asked of ranks %s, received from %s", ranks, sorted(dumps))
-        stacks: dict[int, str] = {}
-        where: dict[int, str] = {}
-        frames: dict[int, list[Frame]] = {}
+        request: dict[str, Any] = {"op": "stacks", "native": native, "trace": trace}
+        began = time.monotonic()
+        replies = self.agents.ask(ranks, request, _NATIVE_TIMEOUT_S if native else None)
+        seconds = time.monotonic() - began
+        report = StackReport({}, {}, {}, seconds=seconds)
+        for rank, reply in replies.items():
+            user = next((t for t in reply["threads"] if t.user), None)
+            frames = user_frames(user.frames) if user is not None else []
+            report.frames[rank] = frames
+            report.source[rank] = "agent"
+            if native:
+                report.native[rank] = reply.get("native") or f"({reply.get('native_error')})"
+            if reply.get("trace") is not None:
+                report.traces[rank] = reply["trace"]
+        silent = [rank for rank in ranks if rank not in replies]
+        if silent:
+            log.debug("ranks %s did not answer their agents; signalling them", silent)
+            dumps = self.agents.signal_dumps(
+                silent, lambda rs: self._signal(rs, STACK_SIGNAL), _SIGNAL_WAIT_S
+            )
+            for rank, dump in dumps.items():
+                frames = user_stack(dump, self._thread_ids.get(rank))
+                report.frames[rank] = with_cell_sources(frames, code, cell)
+                report.source[rank] = "signal"
         for rank in ranks:
-            if rank in dumps:
-                frames[rank] = user_stack(dumps[rank], self._thread_ids.get(rank))
-                stacks[rank] = format_stack(frames[rank])
-                where[rank] = describe(frames[rank], code)
-            else:
-                stacks[rank] = f"(stack written on {self._files.location(rank)})"
-                where[rank] = "unknown: no stack dump received"
-        return StackReport(stacks, where, frames)
+            if rank not in report.frames:
+                report.source[rank] = "none"
+                report.stacks[rank] = (
+                    f"(no stack: rank {rank} answered neither its diagnostics agent nor the "
+                    "stack signal)"
+                )
+                report.where[rank] = "unknown: no answer from the rank"
+                continue
+            frames = report.frames[rank]
+            text = format_stack(frames) if frames else "  (idle: no user code running)"
+            if report.source[rank] == "signal":
+                text = (
+                    "  (from the stack signal: the rank's agent did not answer, so a thread "
+                    "may hold the GIL; no source lines outside the cell)\n" + text
+                )
+            report.stacks[rank] = text
+            report.where[rank] = describe(frames, code)
+        return report
+
+    def trace(
+        self, ranks: Sequence[int] | None = None, last: int | None = None, issued_at: bool = False
+    ) -> dict[int, Any]:
+        """Every asked rank's flight-recorder dump (ranks that did not answer are missing)."""
+        ranks = [r.rank for r in self._records] if ranks is None else list(ranks)
+        request = {"op": "trace", "last": last, "issued_at": issued_at}
+        replies = self.agents.ask(ranks, request, _NATIVE_TIMEOUT_S if issued_at else None)
+        return {rank: reply["trace"] for rank, reply in replies.items()}
 
     def timeout_error(
         self,
@@ -152,28 +187,55 @@ class Diagnosis:
         limit: str,
         code: str | None,
         wait: Callable[[float | None], Any],
+        *,
+        cell: str | None = None,
+        native: bool = False,
+        targets: Sequence[int] | None = None,
     ) -> RankTimeout:
         """The error for a call whose ``pending`` ranks did not finish within ``limit``."""
-        report = self.stacks(code=code)
+        began = time.monotonic()
+        report = self.stacks(code=code, cell=cell, native=native, trace=64)
         where = dict(report.where)
+        targeted = set(targets) if targets is not None else set(where)
+        finished = [rank for rank in where if rank not in pending and rank in targeted]
         for rank in where:
             if rank not in pending:
-                where[rank] = "finished this run; now " + where[rank]
+                state = "finished this run" if rank in targeted else "not part of this run"
+                where[rank] = (
+                    f"{state}; {'idle' if where[rank].startswith('idle') else 'now ' + where[rank]}"
+                )
         lines = [
             f"ranks {pending} did not finish within {limit}; they are still running:"
             if len(pending) > 1
             else f"rank {pending[0]} did not finish within {limit}; it is still running:"
         ]
         lines += [f"  rank {r}: {where[r]}" for r in sorted(where)]
-        lines.append(
-            "Keep waiting with err.wait(), interrupt with pool.interrupt(), "
-            "or start a fresh group with pool.restart()."
+        findings = diagnose(
+            report.traces, finished, {r: report.where[r] for r in pending if r in report.where}
         )
+        lines += [f"collectives: {finding}" for finding in findings]
+        tail = []
         for rank in pending:
-            lines.append(
-                f"--- rank {rank} stack (most recent call last) ---\n{report.stacks[rank]}"
-            )
-        return RankTimeout("\n".join(lines), report.stacks, where, pending, wait)
+            tail.append(f"--- rank {rank} stack (most recent call last) ---\n{report.stacks[rank]}")
+            if native:
+                tail.append(
+                    f"--- rank {rank} native stack (py-spy) ---\n{report.native.get(rank, '')}"
+                )
+        table = table_text(report.traces, last=_TIMEOUT_TABLE_ROWS)
+        if table:
+            tail.append("--- last collectives of every rank (flight recorder) ---\n" + table)
+        log.debug("timeout report built in %.3fs", time.monotonic() - began)
+        return RankTimeout(
+            "\n".join(lines),
+            "\n".join(tail),
+            report.stacks,
+            where,
+            pending,
+            wait,
+            collectives=report.traces,
+            diagnosis=findings,
+            native=report.native,
+        )
 
     def death_error(self, dead: list[int], engine_of: Callable[[int], Any]) -> RankDied:
         """The error for ranks ``dead``; ``engine_of(pid)`` gives the
@@ -194,6 +256,19 @@ class Diagnosis:
             hosts={rank: records[rank].host for rank in dead},
             pids={rank: records[rank].pid for rank in dead},
         )
+
+    def blocked_in_collective(
+        self, ranks: Sequence[int], code: str | None = None
+    ) -> dict[int, str]:
+        """Those of ``ranks`` that sit inside ``torch.distributed``, with where they are."""
+        if not ranks:
+            return {}
+        report = self.stacks(code=code, ranks=ranks)
+        return {
+            rank: report.where[rank]
+            for rank in ranks
+            if in_distributed(report.frames.get(rank, [])) is not None
+        }
 
     def interrupt_error(
         self, signalled: list[int], handles: Mapping[int, Any], code: str | None
@@ -224,6 +299,9 @@ class Diagnosis:
         )
         return RankInterrupted(signalled, stuck, sorted(set(in_collective)))
 
+    def close(self) -> None:
+        self.agents.close()
+
 
 def interrupted_on_ranks(tracebacks: Mapping[int, str]) -> RankInterrupted:
     """The error for ranks that all raised KeyboardInterrupt (SIGINT reached them from
@@ -239,10 +317,3 @@ def _exception_of(handle: Any) -> BaseException | None:
     except Exception as exc:
         return exc
     return None
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0

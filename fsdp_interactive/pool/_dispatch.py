@@ -14,6 +14,11 @@ than success becomes an exception of :mod:`.errors`, built by :mod:`._diagnosis`
 * Interrupt: engines run in their own session, so a notebook interrupt reaches only
   the kernel; the call forwards SIGINT to the ranks still running it, waits
   ``interrupt_grace`` seconds, and reports ranks that did not stop, with where they are.
+* Debugger prompts: a rank stopped at ``fsdp_interactive.breakpoint()`` sends its
+  prompt over its agent's event link; the waiting loop shows the debugger's output,
+  asks the user with ``input()`` (in a notebook: the input box, through the kernel's
+  stdin channel) and sends the command back. Time spent at the prompt does not count
+  against the call's timeout.
 
 Calls that timed out or were interrupted but still run are remembered
 (:class:`Unfinished`), so new work is refused instead of queueing silently behind them.
@@ -21,18 +26,20 @@ Calls that timed out or were interrupted but still run are remembered
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from fsdp_interactive.pool._diagnosis import Diagnosis, interrupted_on_ranks, traceback_text
 from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter
 from fsdp_interactive.pool._topology import RankRecord
-from fsdp_interactive.pool.errors import PoolBusy, RankError, strip_ansi
+from fsdp_interactive.pool.errors import RESTART, PoolBusy, RankError, strip_ansi
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +74,12 @@ def check_timeout(timeout: Any) -> None:
 
 
 class Unfinished:
-    """Per-rank handles of calls that timed out or were interrupted but still run."""
+    """Per-rank handles of calls that timed out or were interrupted but still run, and
+    which of those ranks are known to be blocked inside a collective."""
 
     def __init__(self) -> None:
         self._handles: dict[int, list[Any]] = {}
+        self.blocked: set[int] = set()
 
     def remember(self, handles: Mapping[int, Any]) -> None:
         for rank, handle in handles.items():
@@ -82,21 +91,70 @@ class Unfinished:
         self._handles = {
             rank: [h for h in handles if not h.ready()] for rank, handles in self._handles.items()
         }
-        return sorted(rank for rank, handles in self._handles.items() if handles)
+        busy = sorted(rank for rank, handles in self._handles.items() if handles)
+        self.blocked &= set(busy)
+        return busy
+
+    def handles(self, rank: int) -> list[Any]:
+        return list(self._handles.get(rank, []))
 
     def refuse_if_busy(self) -> None:
         """Raise :class:`PoolBusy` when any rank still runs such a call."""
         busy = self.busy_ranks()
         if busy:
-            raise PoolBusy(
-                f"{'rank' if len(busy) == 1 else 'ranks'} {', '.join(map(str, busy))} "
-                "still run an earlier call that timed out or was interrupted; new work would "
-                "wait behind it. Wait for it (RankTimeout.wait()), interrupt it "
-                "(pool.interrupt()) or start a fresh group (pool.restart())."
-            )
+            raise PoolBusy(busy, sorted(self.blocked))
 
     def clear(self) -> None:
         self._handles = {}
+        self.blocked = set()
+
+
+@dataclass(frozen=True)
+class InterruptReport:
+    """What ``pool.interrupt()`` did, per targeted rank.
+
+    ``stopped``: ranks whose unfinished call ended after SIGINT; ``blocked``: ranks
+    still inside a collective (where they are), which SIGINT cannot free (the signal is
+    handled only once the C++ call returns) and only a restart does; ``running``: ranks
+    that had not stopped yet, elsewhere; ``idle``: ranks that ran no call the pool was
+    waiting for (they were signalled too).
+    """
+
+    signalled: list[int]
+    stopped: list[int] = field(default_factory=list)
+    blocked: dict[int, str] = field(default_factory=dict)
+    running: dict[int, str] = field(default_factory=dict)
+    idle: list[int] = field(default_factory=list)
+
+    @property
+    def needs_restart(self) -> bool:
+        return bool(self.blocked)
+
+    def lines(self, notebook: bool = False) -> list[str]:
+        """One line per rank, then what to do when a rank stays blocked."""
+        status = {rank: "stopped" for rank in self.stopped}
+        status.update({rank: "was idle (nothing to stop)" for rank in self.idle})
+        status.update(
+            {
+                rank: f"did not stop: blocked in a collective, {where}"
+                for rank, where in self.blocked.items()
+            }
+        )
+        status.update(
+            {rank: f"has not stopped yet: {where}" for rank, where in self.running.items()}
+        )
+        lines = [f"rank {rank}: {status[rank]}" for rank in sorted(status)]
+        if self.blocked:
+            lines.append(
+                "A rank blocked inside a collective cannot be interrupted (it sees the signal "
+                "only when the collective returns); only a restart frees it: "
+                + RESTART.render(notebook).replace("start a fresh group with ", "")
+                + " (rank state is discarded)."
+            )
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
 
 @dataclass(frozen=True)
@@ -120,13 +178,22 @@ class RankWatch:
     interrupt_grace: float
 
 
+def ask_user(prompt: str) -> str:
+    """``input(prompt)`` as the running shell provides it (a notebook's input box in a
+    Jupyter kernel, which replaces ``builtins.input`` while a cell runs)."""
+    return builtins.input(prompt)
+
+
 class PendingCall:
     """One call dispatched to ranks, to be waited for once (or again after a timeout).
 
     ``handles`` maps rank -> single-engine AsyncResult, in rank order. ``stream``: pass
     output to ``on_output(rank, stream, text)`` while the ranks run (default: print it
-    tagged ``[rank N]``). ``code``: the cell source, quoted in stack summaries.
-    ``finish``: turns the per-rank results into the value :meth:`wait` returns.
+    tagged ``[rank N]``). ``code``: the cell source, quoted in stack summaries;
+    ``cell``: its label ("Cell In[15]"). ``native``: a timeout's report adds py-spy's
+    native frames. ``finish``: turns the per-rank results into the value :meth:`wait`
+    returns. ``prompt(text)``: how a debugger prompt asks the user (default:
+    :func:`ask_user`).
     """
 
     def __init__(
@@ -137,12 +204,18 @@ class PendingCall:
         stream: bool = False,
         on_output: OutputSink | None = None,
         code: str | None = None,
+        cell: str | None = None,
+        native: bool = False,
         finish: Callable[[list[Any]], Any] | None = None,
+        prompt: Callable[[str], str] | None = None,
     ) -> None:
         self.handles = handles
         self._watch = watch
         self._code = code
+        self._cell = cell
+        self._native = native
         self._finish = finish
+        self._prompt = prompt or ask_user
         self._printer = TaggedPrinter() if stream and on_output is None else None
         sink = on_output or self._printer
         self._pump: Callable[[], None] = (
@@ -165,10 +238,19 @@ class PendingCall:
                 self._pump()
                 if not pending:
                     break
+                prompted = self._serve_prompts()
+                if end is not None:
+                    end += prompted
                 if end is not None and time.monotonic() > end:
                     self._watch.unfinished.remember(self.handles)
                     raise self._watch.diagnosis.timeout_error(
-                        pending, f"{timeout:g}s", self._code, self.wait
+                        pending,
+                        f"{timeout:g}s",
+                        self._code,
+                        self.wait,
+                        cell=self._cell,
+                        native=self._native,
+                        targets=list(self.handles),
                     )
                 self.handles[pending[0]].wait(_POLL_S)
                 if self.handles[pending[0]].ready():
@@ -192,6 +274,41 @@ class PendingCall:
         self._watch.purge(list(self.handles.values()))
         return value
 
+    def _serve_prompts(self) -> float:
+        """Answer the debugger prompts ranks sent; the seconds spent waiting for the user."""
+        prompts = self._watch.diagnosis.agents.prompts()
+        if not prompts:
+            return 0.0
+        began = time.monotonic()
+        for message in prompts:
+            self._pump()
+            if self._printer is not None:
+                self._printer.flush()
+            output = str(message.get("output", ""))
+            if output:
+                sys.stdout.write(output if output.endswith("\n") else output + "\n")
+                sys.stdout.flush()
+            if message.get("kind") != "prompt":
+                continue
+            rank = int(message["rank"])
+            try:
+                command = self._prompt(str(message.get("prompt", f"(rank {rank} Pdb) ")))
+            except EOFError:
+                command = "continue"
+            except KeyboardInterrupt:
+                self._watch.diagnosis.agents.answer(rank, "continue")
+                raise
+            except Exception as error:  # no input box here (e.g. a notebook run unattended)
+                print(
+                    f"(no input available here ({type(error).__name__}): rank {rank} continues; "
+                    "fsdp_interactive.breakpoint(..., commands=[...]) runs commands unattended)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                command = "continue"
+            self._watch.diagnosis.agents.answer(rank, command)
+        return time.monotonic() - began
+
     def _interrupted(self) -> NoReturn:
         """Ctrl-C while waiting: forward SIGINT, wait for the ranks to stop, report."""
         watch = self._watch
@@ -212,6 +329,7 @@ class PendingCall:
         if error.needs_restart:
             watch.needs_restart()
         watch.unfinished.remember(self.handles)
+        watch.unfinished.blocked |= set(error.in_collective) & set(error.stuck)
         raise error from None
 
     def _collect(self) -> list[Any]:

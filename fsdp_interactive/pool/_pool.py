@@ -16,6 +16,13 @@ Contract (what the notebook front relies on):
   forwarded to the ranks through ipyparallel's nanny).
 * While ranks still run a call that timed out or was interrupted, new calls raise
   :class:`PoolBusy` instead of queueing silently behind it.
+* Debugging: ``stacks()`` (every rank's stack with source lines, optionally native
+  frames), ``trace()`` (every rank's recent collectives from torch's flight recorder,
+  on by default with a small buffer, and where the ranks disagree), ``debug(rank,
+  command)`` (pdb on the last exception a notebook cell raised on that rank), and
+  ``fsdp_interactive.breakpoint(rank=R)`` in a cell (the waiting call asks for the
+  debugger's commands). All of it travels over the ranks' diagnostics agents
+  (:mod:`._rank_agent`), the same way for local and remote ranks.
 * ``stop()`` ends exactly the processes the pool started (through ipyparallel's launcher
   handles, then by recorded pid and start time if any survive); it also runs at
   interpreter exit, and an orphan reaper does it if the calling process is killed.
@@ -29,8 +36,7 @@ part are shown with ``log_level=`` (or ``$FSDPI_LOG_LEVEL``), see :mod:`._logs`.
 Multi-node (not exercised by the test-suite, which runs on one host): any ipyparallel
 engine launcher can be named with ``engines=`` (its options pass through, including
 ``controller_ip``: the controller listens on loopback by default), or ``Pool.connect()``
-joins a running cluster. Stack files of ranks on other hosts stay there (their path is
-reported) and exit statuses of remote engines are unknown.
+joins a running cluster. Exit statuses of remote engines are unknown.
 
 Not done: restarting a single rank (a group cannot take a rank back; the whole group is
 restarted), keeping rank state across ``restart()``.
@@ -42,6 +48,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -49,9 +56,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from fsdp_interactive.pool import _logs
-from fsdp_interactive.pool._diagnosis import Diagnosis, StackFiles
+from fsdp_interactive.pool import _engine_shell, _logs, _torch_recorder
+from fsdp_interactive.pool._agent_client import RankAgents
+from fsdp_interactive.pool._agent_wire import derive_key
+from fsdp_interactive.pool._collectives import CollectiveTrace, diagnose
+from fsdp_interactive.pool._diagnosis import Diagnosis
 from fsdp_interactive.pool._dispatch import (
+    InterruptReport,
     PendingCall,
     RankWatch,
     Targets,
@@ -68,9 +79,13 @@ from fsdp_interactive.pool._processes import LaunchedProcesses
 from fsdp_interactive.pool._rendezvous import Group, Rendezvous, connect_client, leave_group
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool._topology import RankRecord, format_table
-from fsdp_interactive.pool.errors import PoolNotRunning
+from fsdp_interactive.pool.errors import START, PoolError, PoolNotRunning, Step
 
 log = logging.getLogger(__name__)
+
+#: Flight-recorder entries per rank unless ``flight_recorder=`` or the environment says.
+DEFAULT_FLIGHT_RECORDER = 64
+_INTERRUPT_CHECK_S = 1.0
 
 # Running pools are held here until stopped, so one is never garbage-collected while
 # its processes run; at interpreter exit every pool still here is stopped.
@@ -84,6 +99,17 @@ def _stop_live_pools() -> None:
 
 
 atexit.register(_stop_live_pools)
+
+
+class DebuggerOutput(str):
+    """What one post-mortem debugger command printed; ``active``: the session goes on."""
+
+    active: bool
+
+    def __new__(cls, text: str, active: bool) -> DebuggerOutput:
+        output = super().__new__(cls, text)
+        output.active = active
+        return output
 
 
 class Pool:
@@ -121,6 +147,14 @@ class Pool:
         durations, process ownership, teardown, deaths and interrupts in this process,
         and the ranks' own ``fsdp_interactive.*`` records, tagged by rank. Default:
         ``$FSDPI_LOG_LEVEL`` if set, else nothing is shown.
+    flight_recorder:
+        Entries of torch's flight recorder per rank (``TORCH_FR_BUFFER_SIZE``), which
+        ``trace()`` and timeouts read; 0 turns it off. Default: the environment's
+        ``TORCH_FR_BUFFER_SIZE`` if set, else 64.
+    check_collectives:
+        Run the ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: torch checks before every
+        collective that all ranks call the same one with matching shapes, and a mismatch
+        becomes an error naming both (at the cost of an extra check per collective).
     """
 
     def __init__(
@@ -135,9 +169,22 @@ class Pool:
         show_topology: bool = True,
         interrupt_grace: float = 10.0,
         log_level: int | str | None = None,
+        flight_recorder: int | None = None,
+        check_collectives: bool = False,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
+        if flight_recorder is not None and (
+            isinstance(flight_recorder, bool)
+            or not isinstance(flight_recorder, int)
+            or flight_recorder < 0
+        ):
+            raise ValueError(
+                "flight_recorder must be a number of entries >= 0 (0: off) or None, "
+                f"got {flight_recorder!r}"
+            )
+        if not isinstance(check_collectives, bool):
+            raise ValueError(f"check_collectives must be True or False, got {check_collectives!r}")
         for name, value in (("timeout", timeout), ("pg_timeout", pg_timeout)):
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -151,6 +198,8 @@ class Pool:
         self.pg_timeout = float(pg_timeout)
         self.show_topology = show_topology
         self.interrupt_grace = float(interrupt_grace)
+        self.flight_recorder = flight_recorder
+        self.check_collectives = check_collectives
         self._cluster_kwargs = dict(cluster_kwargs)
         self._connect_kwargs: dict[str, Any] | None = None
 
@@ -271,17 +320,19 @@ class Pool:
         began = time.monotonic()
         self._state = PoolState.STARTING
         _live_pools.add(self)
-        self._run_dir = tempfile.mkdtemp(prefix="fsdpi-stacks-")
+        self._run_dir = tempfile.mkdtemp(prefix="fsdpi-pool-")
         try:
             rendezvous = self._open(placement.n)
             n = placement.n or len(self._client.ids)
             self._group = rendezvous.form_group(n, placement)
+            agents = RankAgents(
+                self._group.agents, derive_key(self._client.session.key, self._group.nonce)
+            )
+            agents.open_links()
             self._diagnosis = Diagnosis(
                 self._group.records,
+                agents=agents,
                 thread_ids=self._group.thread_ids,
-                stack_files=StackFiles(
-                    self._group.stack_paths, {r.rank: r.host for r in self._group.records}
-                ),
                 signal=self._signal,
             )
             rendezvous.set_up_namespaces(self._group)
@@ -318,14 +369,23 @@ class Pool:
             self._client,
             timeout=self.timeout,
             pg_timeout=self.pg_timeout,
-            run_dir=self._run_dir,
             engines_exited=self._processes.exited_engines,
             log_level=self._log_level,
+            flight_recorder=self._flight_recorder_entries(),
+            check_collectives=self.check_collectives,
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         if self.owns_engines:
             self._processes.record()  # nannies and children that came up since the launch
         return rendezvous
+
+    def _flight_recorder_entries(self) -> int | None:
+        """The ranks' ring-buffer size: as asked, else the environment's, else the default."""
+        if self.flight_recorder is not None:
+            return self.flight_recorder
+        if os.environ.get(_torch_recorder.BUFFER_ENV):
+            return None  # the engines inherit the variable
+        return DEFAULT_FLIGHT_RECORDER
 
     def stop(self) -> None:
         """End the group and the processes this pool started; idempotent.
@@ -345,12 +405,47 @@ class Pool:
         self._teardown(keep_forker=True)
         return self.start()
 
-    def interrupt(self, targets: Targets = None) -> None:
-        """Send SIGINT to the targeted ranks (through ipyparallel's nanny) and return."""
+    def interrupt(self, targets: Targets = None) -> InterruptReport:
+        """Send SIGINT to the targeted ranks (through ipyparallel's nanny); say what it did.
+
+        When ranks still run a call that timed out or was interrupted, waits up to
+        ``interrupt_grace`` seconds for those calls to end and reports per rank whether
+        it stopped; a rank blocked inside a collective cannot be freed by SIGINT (the
+        signal is handled only when the C++ call returns): it is reported as blocked
+        and the pool then needs ``restart()``. Called while another thread waits on a
+        call, it only signals (that call reports the outcome).
+        """
         self._require_running()
         ranks = resolve_targets(targets, self.world_size)
-        log.debug("pool.interrupt(): SIGINT to ranks %s", ranks)
+        busy = [rank for rank in self._unfinished.busy_ranks() if rank in ranks]
+        log.debug("pool.interrupt(): SIGINT to ranks %s (busy: %s)", ranks, busy)
         self._signal(ranks, signal.SIGINT)
+        if not busy:
+            return InterruptReport(signalled=ranks, idle=ranks)
+        assert self._diagnosis is not None
+        began = time.monotonic()
+        still: list[int] = busy
+        blocked: dict[int, str] = {}
+        while still and time.monotonic() - began < self.interrupt_grace:
+            time.sleep(0.05)
+            still = [rank for rank in self._unfinished.busy_ranks() if rank in busy]
+            if still and time.monotonic() - began > _INTERRUPT_CHECK_S and not blocked:
+                blocked = self._diagnosis.blocked_in_collective(still)
+                if set(blocked) == set(still):
+                    break  # nothing left that SIGINT can stop
+        still = [rank for rank in self._unfinished.busy_ranks() if rank in busy]
+        if still:
+            blocked = self._diagnosis.blocked_in_collective(still)
+        running = {}
+        if set(still) - set(blocked):
+            report = self._diagnosis.stacks(ranks=[r for r in still if r not in blocked])
+            running = report.where
+        if blocked:
+            self.needs_restart = True
+            self._unfinished.blocked |= set(blocked)
+        stopped = [rank for rank in busy if rank not in still]
+        idle = [rank for rank in ranks if rank not in busy]
+        return InterruptReport(ranks, stopped, blocked, running, idle)
 
     def _teardown(self, keep_forker: bool = False) -> None:
         """Stop what this pool started (owned) or leave the group (connected).
@@ -366,6 +461,8 @@ class Pool:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+        if self._diagnosis is not None:
+            self._diagnosis.close()
         self._processes.stop(keep_forker=keep_forker)
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
@@ -384,6 +481,8 @@ class Pool:
         stream: bool = True,
         *,
         on_output: OutputSink | None = None,
+        cell: int | None = None,
+        native: bool = False,
     ) -> RunResult:
         """Execute ``code`` on the targeted ranks concurrently; return their output.
 
@@ -391,21 +490,40 @@ class Pool:
         with ``torch``, ``dist`` (``torch.distributed``), ``rank``, ``world_size``,
         ``local_rank`` and ``device``. With ``stream=True`` output is printed while the
         ranks run, each line tagged ``[rank N]`` (or handed to ``on_output(rank, stream,
-        text)`` when given). ``timeout`` (seconds, default none) arms the hang watchdog.
-        A cell that runs collectives must target every rank, or it will hang.
+        text)`` when given). ``timeout`` (seconds, default none) arms the hang watchdog;
+        with ``native=True`` its report adds py-spy's native frames. A cell that runs
+        collectives must target every rank, or it will hang.
+
+        ``cell``: the notebook's execution count of the cell this code comes from; the
+        ranks then name the code ``Cell In[cell]`` in tracebacks, stacks and the
+        debugger, and keep an exception it raises for :meth:`debug`.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python source, got {type(code).__name__}")
+        if cell is not None and (isinstance(cell, bool) or not isinstance(cell, int) or cell < 0):
+            raise ValueError(f"cell must be the notebook's execution count (an int), got {cell!r}")
         views = self._begin(targets, timeout)
         started = time.monotonic()
+        numbering = []
+        if cell is not None:
+            # On the same queue, just before the code: the engine runs it as this cell.
+            numbering = [
+                view.apply_async(_engine_shell.number_cell, cell) for view in views.values()
+            ]
         handles = {r: view.execute(code, block=False, silent=False) for r, view in views.items()}
-        return self._pending(
-            handles,
-            stream=stream,
-            on_output=on_output,
-            code=code,
-            finish=lambda _: run_result(handles, time.monotonic() - started),
-        ).wait(timeout)
+        try:
+            return self._pending(
+                handles,
+                stream=stream,
+                on_output=on_output,
+                code=code,
+                cell=f"Cell In[{cell}]" if cell is not None else None,
+                native=native,
+                finish=lambda _: run_result(handles, time.monotonic() - started),
+            ).wait(timeout)
+        finally:
+            if numbering:
+                purge_results(self._client, numbering)
 
     def call(
         self,
@@ -448,25 +566,90 @@ class Pool:
         """Ranks still running a call that timed out or was interrupted."""
         return self._unfinished.busy_ranks()
 
-    def stacks(self, code: str | None = None) -> tuple[dict[int, str], dict[int, str]]:
+    def stacks(
+        self, code: str | None = None, *, native: bool = False
+    ) -> tuple[dict[int, str], dict[int, str]]:
         """Every rank's current Python stack, without stopping any rank.
 
-        Returns ``(stacks, where)``: ``stacks[rank]`` in traceback order and ``where[rank]``
-        a one-line summary. Ranks signal themselves to dump (``faulthandler``) into a
-        file the pool reads; for ranks on other hosts ``stacks`` names that file.
+        Returns ``(stacks, where)``: ``stacks[rank]`` in traceback order with each
+        frame's source line, and ``where[rank]`` a one-line summary. ``native=True``
+        appends py-spy's native (C/C++) frames of each rank's user thread, run on the
+        rank's host (needs py-spy there and ptrace permission; see
+        :func:`~._thread_stacks.native_stack`). Ranks answer through their diagnostics
+        agents; a rank whose agent cannot answer is asked by signal instead.
         """
         self._require_running()
         assert self._diagnosis is not None
-        report = self._diagnosis.stacks(code=code)
-        return report.stacks, report.where
+        report = self._diagnosis.stacks(code=code, native=native)
+        stacks = dict(report.stacks)
+        if native:
+            for rank, text in report.native.items():
+                stacks[rank] += f"\n--- native stack (py-spy) ---\n{text}"
+        return stacks, report.where
+
+    def trace(
+        self, last: int = 20, targets: Targets = None, *, issued_at: bool = False
+    ) -> CollectiveTrace:
+        """Every rank's recent collectives (torch's flight recorder) and where they disagree.
+
+        ``str()`` of the result is the findings ("rank 0 waits in barrier #12; rank 1
+        never issued #12 ...") and a table of the last ``last`` collectives per process
+        group, merged across ranks that agree. Works while ranks are busy or blocked.
+        ``issued_at=True`` adds the line that issued each collective; the first such call
+        makes torch load its stack symbolizer on every rank (about 1.4 s and 70 MB each).
+        """
+        self._require_running()
+        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+            raise ValueError(f"last must be a number of collectives >= 1, got {last!r}")
+        assert self._diagnosis is not None
+        ranks = resolve_targets(targets, self.world_size)
+        dumps = self._diagnosis.trace(ranks, issued_at=issued_at)
+        busy = set(self._unfinished.busy_ranks())
+        findings = diagnose(dumps, finished=[r for r in ranks if r not in busy])
+        silent = [rank for rank in ranks if rank not in dumps]
+        if silent:
+            findings.append(f"no answer from the agents of ranks {silent}")
+        return CollectiveTrace(dumps, findings, last)
+
+    def debug(self, rank: int, command: str | None = None) -> DebuggerOutput:
+        """Run one pdb ``command`` on the last exception a notebook cell raised on ``rank``.
+
+        The session lives on between calls (``up`` stays up) until ``q``; without a
+        command it starts (or shows where it stands). Returns pdb's output. Cells count
+        when run with ``run(..., cell=N)`` (as ``%%fsdp`` does). Raises ``PoolError`` when
+        the rank has no failure to look at.
+        """
+        self._require_running()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {rank!r}")
+        if command is not None and not isinstance(command, str):
+            raise TypeError(f"command must be a pdb command (str) or None, got {command!r}")
+        reply = self._debug(rank, command)
+        return DebuggerOutput(reply["output"], active=bool(reply["active"]))
+
+    def _debug(self, rank: int, command: str | None) -> dict[str, Any]:
+        assert self._diagnosis is not None
+        try:
+            reply = self._diagnosis.agents.ask_one(rank, {"op": "debug", "command": command})
+        except OSError as error:
+            raise PoolError(f"rank {rank}'s diagnostics agent did not answer: {error}") from None
+        if reply.get("failure") is None:
+            raise PoolError(
+                f"rank {rank} has no failure to debug: no cell run on the ranks "
+                "(%%fsdp, or pool.run(..., cell=N)) raised there since the pool started"
+            )
+        return reply
 
     # ------------------------------------------------------------------ calls' plumbing
 
     def _require_running(self) -> None:
         if self._state is PoolState.BROKEN:
-            raise PoolNotRunning("a rank died and the group was torn down: call pool.restart()")
+            raise PoolNotRunning(
+                "a rank died and the group was torn down",
+                Step("call {}", "pool.restart()", "%fsdp restart"),
+            )
         if self._state is not PoolState.RUNNING:
-            raise PoolNotRunning("the pool is not running: call pool.start()")
+            raise PoolNotRunning("the pool is not running", START)
 
     def _begin(self, targets: Targets, timeout: float | None) -> dict[int, Any]:
         """The views of the targeted ranks, once the pool can take a call."""

@@ -7,14 +7,18 @@ cluster the pool connected to), each a call on the engines into
 1. wait until ``n`` engines registered with the controller;
 2. describe the engines (host, address, pid) and assign ranks (:mod:`._topology`);
 3. rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race);
-4. all ranks call ``init_process_group`` concurrently on it, count themselves in on
-   the store, wait for the full count and check the backend with one ``all_reduce``;
+4. all ranks start their diagnostics agent (:mod:`._rank_agent`, through the engine
+   hooks of :mod:`._engine_shell`), then call ``init_process_group`` concurrently on
+   the store, count themselves in on it, wait for the full count and check the
+   backend with one ``all_reduce``;
 5. every rank's namespace gets ``torch``, ``dist``, ``rank``, ``world_size``,
    ``local_rank`` and ``device``.
 
-A single-host group keeps gloo's, NCCL's and the store's listeners on loopback. With
-ranks on several hosts, ``MASTER_ADDR`` is rank 0's address and the store listens on
-all interfaces.
+A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners on
+loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
+listens on all interfaces and each agent on its rank's address. The agents' key is
+derived from the cluster's HMAC key and a nonce that :attr:`Group.nonce` holds (the key
+itself never travels).
 
 Every step is bounded by the start-up timeout and gives up at the first failing engine
 or the first engine process that exits (peers might wait for it forever); the failure
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +40,7 @@ from typing import Any
 
 import psutil
 
+from fsdp_interactive.pool import _engine_shell
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._diagnosis import traceback_text
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
@@ -59,12 +65,16 @@ del _fsdpi_rank_context
 
 @dataclass
 class Group:
-    """A formed process group: one record, one view and the stack-dump details per rank."""
+    """A formed process group: one record and one view per rank, and what the
+    diagnostics need: each rank's user thread, agent address and flight-recorder note
+    (``None``: it records), and the nonce the agents' key was derived with."""
 
     records: list[RankRecord] = field(default_factory=list)
     views: dict[int, Any] = field(default_factory=dict)
     thread_ids: dict[int, int] = field(default_factory=dict)
-    stack_paths: dict[int, str] = field(default_factory=dict)
+    agents: dict[int, tuple[str, int]] = field(default_factory=dict)
+    recorder_notes: dict[int, str | None] = field(default_factory=dict)
+    nonce: bytes = b""
 
 
 class Rendezvous:
@@ -72,7 +82,10 @@ class Rendezvous:
 
     ``timeout`` bounds each step; ``engines_exited()`` lists engine processes of the pool
     that ended (each with ``pid`` and ``output_tail()``; empty for engines the pool does
-    not own); ``log_level``: the ranks' log level (``None``: leave their logging alone).
+    not own); ``log_level``: the ranks' log level (``None``: leave their logging alone);
+    ``flight_recorder``: ring-buffer entries of torch's flight recorder on each rank
+    (0: off; ``None``: the environment's ``TORCH_FR_BUFFER_SIZE``, else torch's default);
+    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks.
     """
 
     def __init__(
@@ -81,16 +94,18 @@ class Rendezvous:
         *,
         timeout: float,
         pg_timeout: float,
-        run_dir: str,
         engines_exited: Callable[[], list[Any]],
         log_level: int | None = None,
+        flight_recorder: int | None = None,
+        check_collectives: bool = False,
     ) -> None:
         self._client = client
         self._timeout = timeout
         self._pg_timeout = pg_timeout
-        self._run_dir = run_dir
         self._exited = engines_exited
         self._log_level = log_level
+        self._flight_recorder = flight_recorder
+        self._check_collectives = check_collectives
 
     def wait_for_engines(self, n: int, deadline: float) -> None:
         """Wait until ``n`` engines registered (``deadline``: a ``time.monotonic()``)."""
@@ -140,6 +155,8 @@ class Rendezvous:
         )[0]
 
         env = socket_env() if single_host else {}
+        nonce = secrets.token_bytes(16)
+        group.nonce = nonce
         specs = {
             slot.rank: {
                 "rank": slot.rank,
@@ -151,14 +168,17 @@ class Rendezvous:
                 "backend": placement.backend,
                 "device": placement.device_for(slot.local_rank),
                 "pg_timeout_s": self._pg_timeout,
-                "stack_path": os.path.join(self._run_dir, f"rank{slot.rank}.stack"),
                 "env": env,
+                "flight_recorder": self._flight_recorder,
+                "check_collectives": self._check_collectives,
+                "title": f"fsdp-interactive rank {slot.rank}/{n}, pool {nonce.hex()[:8]}",
+                "agent": {"host": bind or slot.address, "nonce": nonce.hex()},
             }
             for slot in slots
         }
         joined = self.gather(
             {
-                r: group.views[r].apply_async(rank_side.join_group, spec)
+                r: group.views[r].apply_async(_engine_shell.join_pool, spec)
                 for r, spec in specs.items()
             },
             "forming the process group",
@@ -179,7 +199,8 @@ class Rendezvous:
             for slot in slots
         ]
         group.thread_ids = {r: joined[r]["thread_id"] for r in joined}
-        group.stack_paths = {r: joined[r]["stack_path"] for r in joined}
+        group.agents = {r: (joined[r]["agent"][0], int(joined[r]["agent"][1])) for r in joined}
+        group.recorder_notes = {r: joined[r]["recorder_note"] for r in joined}
         return group
 
     def set_up_namespaces(self, group: Group) -> None:

@@ -21,7 +21,15 @@ import pytest
 pytestmark = pytest.mark.world4
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FIGURES = ("dispatch", "cold_start", "train_step", "memory", "grad_norm", "checkpoint")
+FIGURES = (
+    "dispatch",
+    "cold_start",
+    "train_step",
+    "memory",
+    "grad_norm",
+    "checkpoint",
+    "debug_cost",
+)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -225,3 +225,22 @@ def test_rank_model_rejects_bad_names(source):
         RankModel(source.pool, "widget model")
     with pytest.raises(ValueError, match="no recorder"):
         RankModel(source.pool, "widget_model").history()
+
+
+def test_a_failing_edit_shows_the_error_line_first_and_only_the_users_frame(source):
+    panel = SummonPanel(source, fqn="embed.weight")
+    before = panel.data
+    assert panel.widget is not None
+    panel._expression.value = "x.view(-1, 1000003)"
+    panel._apply_button.click()
+    panel._confirm_button.click()  # the failure is shown in the panel, not raised
+    status = panel._status.value
+    assert status.startswith('<div style="color:#b00"><b>edit failed: ranks 0, 1: RuntimeError: ')
+    assert "<details><summary>traceback (your code)</summary>" in status
+    assert "File &lt;edit&gt;:1" in status
+    assert "_fsdp_interactive_probe" not in status and "_summon.py" not in status
+    assert panel.message.startswith("edit failed: ranks 0, 1: RuntimeError: ")
+    assert panel.data == before
+    panel._expression.value = "x * 1"
+    panel._apply_button.click()
+    assert "edit failed" not in panel._status.value  # a new request clears the error
