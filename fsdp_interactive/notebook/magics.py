@@ -378,7 +378,7 @@ class FsdpMagics(Magics):
         from fsdp_interactive.notebook.trace_plot import trace_figure
 
         print("\n".join(trace.findings or ["the ranks agree on every recorded collective"]))
-        display(Image(figure_png(trace_figure(trace.dumps, last=args.last))))
+        display(Image(figure_png(trace_figure(trace, last=args.last))))
 
     def _fsdp_debug(self, rest: str) -> None:
         """%fsdp debug [-r RANK] [COMMAND]: pdb on a rank's last failure."""
