@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from fsdp_interactive.pool import _engine_shell, _logs, _torch_recorder
+from fsdp_interactive.pool import _engine_shell, _hosts, _logs, _torch_recorder
 from fsdp_interactive.pool._agent_client import RankAgents
 from fsdp_interactive.pool._agent_wire import derive_key
 from fsdp_interactive.pool._collectives import CollectiveTrace, diagnose
@@ -190,6 +190,7 @@ class Pool:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(engines, str) or not engines:
             raise ValueError(f"engines must be a launcher name such as 'local', got {engines!r}")
+        _hosts.check_controller_ip(cluster_kwargs.get("controller_ip"))
         self._log_level = _logs.parse_level(log_level)
         if self._log_level is None:
             self._log_level = _logs.level_from_env()
@@ -370,6 +371,8 @@ class Pool:
             timeout=self.timeout,
             pg_timeout=self.pg_timeout,
             engines_exited=self._processes.exited_engines,
+            launch_problem=self._processes.launch_problem if self.owns_engines else lambda: None,
+            launch_state=self._processes.launch_state if self.owns_engines else lambda: "",
             log_level=self._log_level,
             flight_recorder=self._flight_recorder_entries(),
             check_collectives=self.check_collectives,

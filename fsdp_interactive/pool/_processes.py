@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from fsdp_interactive.pool import _launch_watch
 from fsdp_interactive.pool._engine_entry import engine_command
 from fsdp_interactive.pool._loop import LoopThread
 from fsdp_interactive.pool._pids import end_processes, is_running, start_time
@@ -83,6 +84,8 @@ class EngineProcess:
         still runs (a reused pid is another process)."""
         if self.launcher.state == "after":
             return False
+        if is_remote(self.launcher):
+            return True  # its pid names a process on another host: the launcher knows
         return is_running(self.pid, self.created)
 
     def wait_stop_report(self, timeout: float = _STOP_REPORT_WAIT_S) -> bool:
@@ -225,10 +228,14 @@ class LaunchedProcesses:
         for engine_set in cluster.engines.values():
             if getattr(engine_set, "forker_pid", None):
                 found.append(engine_set.forker_pid)
+            if not is_remote(engine_set) and getattr(engine_set, "pid", -1) > 0:
+                found.append(engine_set.pid)  # mpiexec: one local process for all engines
             for launcher in getattr(engine_set, "launchers", {}).values():
                 if getattr(launcher, "pid", -1) > 0:
                     self._launchers[launcher.pid] = launcher
-                    found.append(launcher.pid)
+                    # A remote engine's pid is not a process here: never record it.
+                    if not is_remote(launcher):
+                        found.append(launcher.pid)
         for pid in list(found):
             with contextlib.suppress(psutil.Error):
                 found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
@@ -287,6 +294,24 @@ class LaunchedProcesses:
         return [
             EngineProcess(launcher, self.pids.get(pid)) for pid, launcher in self._launchers.items()
         ]
+
+    def launch_problem(self) -> str | None:
+        """Why the engines can no longer register (a launcher exited, a batch job ended or
+        can never run), with the launcher's output; ``None`` while they still may."""
+        if self.cluster is None:
+            return None
+        for engine_set in list(self.cluster.engines.values()):
+            problem = _launch_watch.launch_problem(engine_set)
+            if problem:
+                return problem
+        return None
+
+    def launch_state(self) -> str:
+        """Where the engine launchers stand, for a start-up that timed out ("": nothing)."""
+        if self.cluster is None:
+            return ""
+        states = [_launch_watch.launch_state(s) for s in list(self.cluster.engines.values())]
+        return "\n".join(state for state in states if state)
 
     def exited_engines(self) -> list[EngineProcess]:
         """Engines of the current cluster that no longer run."""
@@ -362,6 +387,11 @@ class LaunchedProcesses:
             reaper.kill()
             reaper.wait(timeout=10)
         log.debug("orphan reaper (pid %d) stopped", reaper.pid)
+
+
+def is_remote(launcher: Any) -> bool:
+    """Whether ``launcher`` runs its process on another host (its ``pid`` is not ours)."""
+    return any(cls.__name__ == "SSHLauncher" for cls in type(launcher).__mro__)
 
 
 def _configures_engine_command(config: Any) -> bool:

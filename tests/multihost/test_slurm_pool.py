@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multihost
 
 
 def engine_job(pool: Pool) -> str:
-    (engine_set,) = pool._cluster.engines.values()
+    (engine_set,) = pool._processes.cluster.engines.values()
     return engine_set.job_id
 
 

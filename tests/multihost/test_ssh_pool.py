@@ -68,11 +68,25 @@ def test_all_reduce_crosses_hosts(ssh_pool):
     assert results == {0: "3.0", 1: "3.0"}
 
 
-def test_stacks_of_ranks_on_other_hosts_name_host_and_file(ssh_pool):
-    stacks, where = ssh_pool.stacks()
-    for record in ssh_pool.topology:
-        assert stacks[record.rank].startswith(f"(stack written on {record.host}:")
-        assert where[record.rank] == "unknown: no stack dump received"
+def test_a_hang_shows_every_remote_ranks_stack_over_the_network(ssh_pool):
+    from fsdp_interactive.pool import RankTimeout
+
+    code = (
+        "import time\n"
+        "def late_barrier():\n"
+        "    time.sleep(10)\n"
+        "    dist.barrier()\n"
+        "dist.barrier() if rank == 0 else late_barrier()"
+    )
+    with pytest.raises(RankTimeout) as caught:
+        ssh_pool.run(code, timeout=3, stream=False)
+    error = caught.value
+    # rank 0 (hosta) waits in the barrier; rank 1 (hostb) still sleeps before it
+    assert "barrier" in error.where[0], error.where
+    assert "dist.barrier() if rank == 0" in error.stacks[0], error.stacks[0]
+    assert "late_barrier" in error.stacks[1] and "time.sleep(10)" in error.stacks[1]
+    assert "(stack written on" not in error.stacks[0] + error.stacks[1]
+    error.wait(60)  # rank 1 reaches the barrier: the group stays usable
 
 
 def listening(hosts: HostSet, host: str, pid: int) -> set[tuple[str, int]]:
@@ -95,7 +109,7 @@ def store_port(pool: Pool) -> int:
 
 
 def test_controller_and_gloo_listen_on_the_pools_addresses_only(ssh_pool, testhosts):
-    controller = psutil.Process(ssh_pool._cluster.controller.pid)
+    controller = psutil.Process(ssh_pool._processes.cluster.controller.pid)
     addresses = {
         c.laddr.ip
         for proc in [controller, *controller.children(recursive=True)]
@@ -110,11 +124,6 @@ def test_controller_and_gloo_listen_on_the_pools_addresses_only(ssh_pool, testho
         assert {address for address, _ in sockets} <= {record.address, "127.0.0.1"}, sockets
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0 binds the rendezvous store to all interfaces on multi-host pools "
-    "(open_store('')); a socket bound to rank 0's address, passed as master_listen_fd, works",
-)
 def test_rendezvous_store_listens_on_rank0s_address_only(ssh_pool, testhosts):
     rank0 = ssh_pool.topology[0]
     port = store_port(ssh_pool)
