@@ -100,6 +100,8 @@ def test_a_slurm_job_that_stays_pending_times_out_with_its_queue_state(
 def test_a_controller_ip_that_is_not_this_hosts_is_refused_before_anything_starts(
     testhosts, tmp_path
 ):
-    with pytest.raises(ValueError, match=r"controller_ip='198\.18\.\d+\.\d+' is not an address of this host"):
+    with pytest.raises(
+        ValueError, match=r"controller_ip='198\.18\.\d+\.\d+' is not an address of this host"
+    ):
         Pool(2, devices="cpu", engines="slurm", controller_ip=testhosts.unused_address)
     assert not list(Path(tmp_path).iterdir())
