@@ -88,6 +88,7 @@ def describe_engine() -> dict[str, Any]:
         "host": host,
         "address": address,
         "pid": os.getpid(),
+        "parent_pid": os.getppid(),
         "python": sys.executable,
         "torch": torch_version,
         "versions": _hosts.versions(),

@@ -75,6 +75,8 @@ class Group:
     agents: dict[int, tuple[str, int]] = field(default_factory=dict)
     recorder_notes: dict[int, str | None] = field(default_factory=dict)
     nonce: bytes = b""
+    #: Each rank's parent process (on its host), as the rank reported it.
+    parent_pids: dict[int, int] = field(default_factory=dict)
 
 
 class Rendezvous:
@@ -86,7 +88,9 @@ class Rendezvous:
     still may) and ``launch_state()`` where the launchers stand, for the timeout's error; ``log_level``: the ranks' log level (``None``: leave their logging alone);
     ``flight_recorder``: ring-buffer entries of torch's flight recorder on each rank
     (0: off; ``None``: the environment's ``TORCH_FR_BUFFER_SIZE``, else torch's default);
-    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks.
+    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks; ``owned``:
+    the pool started these engines, so a rank exits when this kernel is gone (see
+    :mod:`._rank_agent`).
     """
 
     def __init__(
@@ -101,8 +105,10 @@ class Rendezvous:
         log_level: int | None = None,
         flight_recorder: int | None = None,
         check_collectives: bool = False,
+        owned: bool = False,
     ) -> None:
         self._client = client
+        self._owned = owned
         self._timeout = timeout
         self._pg_timeout = pg_timeout
         self._exited = engines_exited
@@ -156,6 +162,9 @@ class Rendezvous:
         refuse_other_versions(described)
         slots = assign_ranks(described)
         group = Group(views={slot.rank: client[slot.engine_id] for slot in slots})
+        group.parent_pids = {
+            slot.rank: int(described[slot.engine_id].get("parent_pid") or 0) for slot in slots
+        }
 
         single_host = len({slot.host for slot in slots}) == 1
         master_addr = "127.0.0.1" if single_host else slots[0].address
@@ -190,6 +199,7 @@ class Rendezvous:
                 "agent": {
                     "host": "127.0.0.1" if single_host else slot.address,
                     "nonce": nonce.hex(),
+                    "end_with_owner": self._owned,
                 },
             }
             for slot in slots

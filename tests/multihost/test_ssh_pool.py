@@ -7,6 +7,8 @@ per host are covered by the SLURM and MPI pools.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -129,6 +131,39 @@ def test_rendezvous_store_listens_on_rank0s_address_only(ssh_pool, testhosts):
     port = store_port(ssh_pool)
     sockets = {s for s in listening(testhosts, rank0.host, rank0.pid) if s[1] == port}
     assert sockets == {(rank0.address, port)}
+
+
+def test_a_remote_rank_killed_by_sigkill_is_reported_with_its_signal_and_log(ssh_pool, testhosts):
+    from fsdp_interactive.pool import RankDied
+
+    victim = ssh_pool.topology[1]
+    assert victim.host == "hostb"
+
+    def kill_when_busy() -> None:
+        time.sleep(2)
+        testhosts.run("hostb", ["kill", "-KILL", str(victim.pid)])
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(RankDied) as caught:
+            ssh_pool.run(
+                "import os\n"
+                "os.write(2, f'rank {rank} looping\\n'.encode())  # into the engine's log\n"
+                "while True:\n"
+                "    dist.all_reduce(torch.ones(1))",
+                stream=False,
+            )
+    finally:
+        killer.join()
+    error = caught.value
+    print(f"RankDied {time.monotonic() - began - 2:.1f}s after the kill")  # shown with -s
+    assert error.ranks == [1] or 1 in error.ranks, error
+    assert error.exit_codes[1] == -9, error.exit_codes
+    assert f"rank 1 (pid {victim.pid} on hostb) died: killed by signal SIGKILL" in str(error)
+    assert "rank 1 looping" in error.log_tails[1], error.log_tails
+    assert ssh_pool.state == "broken"
 
 
 def test_restart_brings_a_fresh_group_up_on_both_hosts(ssh_pool):

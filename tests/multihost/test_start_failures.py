@@ -16,7 +16,12 @@ from traitlets.config import Config
 
 from fsdp_interactive.pool import Pool, PoolStartError
 from tests.multihost.conftest import left_on_hosts, squeue, wait_until
-from tests.multihost.launchers import mpi_pool_kwargs, slurm_batch_template, slurm_pool_kwargs
+from tests.multihost.launchers import (
+    mpi_pool_kwargs,
+    slurm_batch_template,
+    slurm_pool_kwargs,
+    ssh_pool_kwargs,
+)
 
 pytestmark = pytest.mark.multihost
 
@@ -105,3 +110,28 @@ def test_a_controller_ip_that_is_not_this_hosts_is_refused_before_anything_start
     ):
         Pool(2, devices="cpu", engines="slurm", controller_ip=testhosts.unused_address)
     assert not list(Path(tmp_path).iterdir())
+
+
+def test_ssh_hosts_unreachable_or_without_the_package_are_named_before_any_engine_starts(
+    testhosts, tmp_path_factory
+):
+    profile_dir = str(tmp_path_factory.mktemp("ssh-refused-profile"))
+    kwargs = ssh_pool_kwargs(testhosts, 1, profile_dir)
+    section = kwargs["config"]["SSHEngineSetLauncher"]
+    # hostb's system Python has neither torch nor fsdp_interactive; nobody answers at the
+    # unused address
+    section["engines"] = {
+        "hosta": 1,
+        "hostb": {"n": 1, "remote_python": "/usr/bin/python3"},
+        testhosts.unused_address: 1,
+    }
+    pool = Pool(3, devices="cpu", timeout=START_TIMEOUT, show_topology=False, **kwargs)
+    with pytest.raises(PoolStartError) as caught:
+        pool.start()
+    message = str(caught.value)
+    assert "no engine was started" in message, message
+    assert "hosta" not in message, message
+    assert "hostb: torch not installed there, " in message, message
+    assert "fsdp-interactive not installed there" in message, message
+    assert f"{testhosts.unused_address}: cannot run its remote_python over ssh" in message
+    assert left_on_hosts(testhosts) == {}
