@@ -178,9 +178,9 @@ def _ssh_config(args: argparse.Namespace, hosts: list[str]) -> Any:
 
 
 def _hosts_answer(config: Any) -> str:
-    from fsdp_interactive.pool import _ssh_check
+    from fsdp_interactive.pool import check_ssh_hosts
 
-    _ssh_check.check_hosts(config)
+    check_ssh_hosts(config)
     return "every host answered over ssh with this kernel's versions"
 
 

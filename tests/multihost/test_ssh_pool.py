@@ -70,6 +70,24 @@ def test_all_reduce_crosses_hosts(ssh_pool):
     assert results == {0: "3.0", 1: "3.0"}
 
 
+def test_errors_and_interrupts_of_remote_ranks(ssh_pool):
+    from fsdp_interactive.pool import RankError, RankInterrupted
+
+    with pytest.raises(RankError) as caught:
+        ssh_pool.run("x = 1 / 0 if rank == 1 else 0", stream=False)
+    assert caught.value.ranks == [1] and "ZeroDivisionError" in str(caught.value)
+
+    timer = threading.Timer(3, ssh_pool.interrupt)
+    timer.start()
+    try:
+        with pytest.raises(RankInterrupted) as interrupted:
+            ssh_pool.run("import time\nfor _ in range(600):\n    time.sleep(0.1)", stream=False)
+    finally:
+        timer.cancel()
+    assert interrupted.value.ranks == [0, 1] and not interrupted.value.needs_restart
+    assert ssh_pool.run("rank", stream=False).results == {0: "0", 1: "1"}
+
+
 def test_a_hang_shows_every_remote_ranks_stack_over_the_network(ssh_pool):
     from fsdp_interactive.pool import RankTimeout
 
