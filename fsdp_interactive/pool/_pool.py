@@ -91,6 +91,8 @@ log = logging.getLogger(__name__)
 #: Flight-recorder entries per rank unless ``flight_recorder=`` or the environment says.
 DEFAULT_FLIGHT_RECORDER = 64
 _INTERRUPT_CHECK_S = 1.0
+#: Seconds to wait, after a rank died, for the deaths that come with it.
+_DEATHS_SETTLE_S = 0.5
 
 # Running pools are held here until stopped, so one is never garbage-collected while
 # its processes run; at interpreter exit every pool still here is stopped.
@@ -716,6 +718,9 @@ class Pool:
         torn down meanwhile, on a thread (with remote engines that takes ssh round trips
         per engine), which every later start, stop or restart waits for first."""
         assert self._diagnosis is not None
+        # Ranks that die together (a host that vanished) are seen one poll apart.
+        time.sleep(_DEATHS_SETTLE_S)
+        dead = sorted(set(dead) | set(self._dead_ranks()))
         error = self._diagnosis.death_error(dead, self._processes.engine)
         self._state = PoolState.BROKEN
 
