@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import PlaceHolderLayoutEngine
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -83,6 +84,10 @@ def _fit_labels(figure: Figure, labels: Sequence[str], fontsize: float, right: f
         bottom=0.6 / height_in,
         top=1 - 0.35 / height_in,
         wspace=0.35,
+    )
+    # Laid out: figure_png saves it as it is, in one drawing (no cropping pass).
+    figure.set_layout_engine(
+        PlaceHolderLayoutEngine(adjust_compatible=True, colorbar_gridspec=True)
     )
 
 
