@@ -148,9 +148,9 @@ def run(ranks: int, sizes: list[int], repeats: int, out: Path | None = None) -> 
 
 
 def reference_figure_seconds(repeats: int) -> list[float]:
-    """Seconds to render a plain 7x3-inch line plot as PNG: the machine's yardstick (about
-    0.05 s on an idle laptop core), to scale the render times to another machine.  The
-    first render, which fills matplotlib's font cache, is not counted."""
+    """Seconds to render a plain 7x3-inch line plot as PNG: the machine's yardstick, to
+    compare render times across machines and loads.  The first render, which fills
+    matplotlib's font cache, is not counted."""
     from matplotlib.figure import Figure
 
     from fsdp_interactive.notebook._format import figure_png
