@@ -3,7 +3,9 @@
 Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
 ``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
 raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
-``--render-only`` (re-render the report from an existing ``benchmarks.json``).
+``--render-only`` (re-render the report from an existing ``benchmarks.json``),
+``--merge`` (with ``--only``: keep the other figures of ``OUT/benchmarks.json`` and
+replace only those measured now; each figure's section says when it was measured).
 A figure that fails is reported as failed (with its traceback) and the others still run;
 the exit status is then 1.
 """
@@ -18,13 +20,15 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.report import REPO_ROOT, RunInfo, load_results, write_report
+from bench.report import REPO_ROOT, RunInfo, load_results, now_and_load, write_report
 from bench.runner import FigureResult, Settings
 
 # Figure keys in report order; each is a module ``bench.<key>`` with ``run(Settings)``.
 FIGURES: tuple[str, ...] = (
     "dispatch",
     "cold_start",
+    "death",
+    "probes",
     "train_step",
     "memory",
     "grad_norm",
@@ -52,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated figure keys out of {','.join(FIGURES)}",
     )
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the figures of OUT/benchmarks.json that this run does not measure",
+    )
+    parser.add_argument(
         "--render-only",
         action="store_true",
         help="re-render the report from OUT/benchmarks.json without measuring",
@@ -72,6 +81,7 @@ def _figure_list(text: str) -> tuple[str, ...]:
 def run_figure(key: str, settings: Settings) -> FigureResult:
     """Run one figure; a failure becomes a FigureResult carrying the traceback."""
     module = importlib.import_module(f"bench.{key}")
+    began = now_and_load()
     start = time.perf_counter()
     try:
         result = module.run(settings)
@@ -80,7 +90,18 @@ def run_figure(key: str, settings: Settings) -> FigureResult:
         title = (module.__doc__ or key).strip().splitlines()[0]
         result.title = title.split(":", 1)[1].strip().split(":")[0] if ":" in title else key
     result.seconds = time.perf_counter() - start
+    result.measured = f"from {began} to {now_and_load()}"
     return result
+
+
+def _merged(previous: Path, measured: list[FigureResult]) -> list[FigureResult]:
+    """``measured`` plus the figures of ``previous`` it does not replace, in report order."""
+    if not previous.is_file():
+        return measured
+    by_key = {f.key: f for f in load_results(previous)[1]}
+    by_key.update({f.key: f for f in measured})
+    order = {key: index for index, key in enumerate(FIGURES)}
+    return sorted(by_key.values(), key=lambda f: order.get(f.key, len(order)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             print(result.error, file=sys.stderr, flush=True)
         figures.append(result)
     info.finish()
+    if args.merge:
+        figures = _merged(args.out / "benchmarks.json", figures)
     paths = write_report(info, figures, args.out)
     print(f"[bench] wrote {paths['md']}, {paths['png']} and {paths['json']}")
     return 1 if any(f.error for f in figures) else 0

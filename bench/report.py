@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import findings as findings_file
+from bench.curves_report import curves_markdown, render_curves
 from bench.runner import Comparison, FigureResult, Stat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SCALING_PLOT = "benchmarks_scaling.png"
 
 
 @dataclass
@@ -59,6 +61,11 @@ class RunInfo:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def now_and_load() -> str:
+    """ "2026-12-03 13:10:04 UTC (load average 1.52 1.61 2.03)": when, and how busy."""
+    return f"{_now()} (load average {_load()})"
 
 
 def _load() -> str:
@@ -162,12 +169,16 @@ def fmt_ratio(comparison: Comparison) -> str:
 
 
 def verdict(comparison: Comparison) -> str:
-    met = comparison.met
+    """ "met", "**missed**", "unresolved [low, high]" (the noise straddles the target)."""
     if comparison.unavailable:
         return "—"
-    if met is None:
+    outcome = comparison.verdict
+    if outcome is None:
         return "n/a"
-    return "met" if met else "**missed**"
+    if outcome == "unresolved":
+        low, high = comparison.interval or (comparison.ratio, comparison.ratio)
+        return f"unresolved [{low:.3f}, {high:.3f}]"
+    return "met" if outcome == "met" else "**missed**"
 
 
 def ratio_range(comparison: Comparison) -> tuple[float, float] | None:
@@ -244,6 +255,7 @@ def render_markdown(
     add("")
     add(f"![Ratios against targets]({plot_name})")
     add("")
+    lines += curves_markdown(figures, SCALING_PLOT)
     missed = [
         (figure, c)
         for figure in figures
@@ -281,6 +293,8 @@ def render_markdown(
             add("```")
             add("")
             continue
+        if figure.measured:
+            add(f"- Measured {figure.measured}.")
         for note in figure.notes:
             add(f"- {note}")
         if figure.notes:
@@ -495,6 +509,9 @@ def write_report(info: RunInfo, figures: list[FigureResult], out_dir: Path) -> d
     }
     paths["json"].write_text(json.dumps(payload, indent=1) + "\n")
     render_plot(figures, paths["png"])
+    scaling = out_dir / SCALING_PLOT
+    if render_curves(figures, scaling):
+        paths["scaling_png"] = scaling
     paths["md"].write_text(render_markdown(info, figures, paths["png"].name))
     return paths
 
