@@ -4,6 +4,7 @@ Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two 
 ``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
 raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
 ``--render-only`` (re-render the report from an existing ``benchmarks.json``),
+``--gpu`` (the CUDA/NCCL figure, :mod:`bench.gpu`, merged into the report),
 ``--merge`` (with ``--only``: keep the other figures of ``OUT/benchmarks.json`` and
 replace only those measured now; each figure's section says when it was measured).
 A figure that fails is reported as failed (with its traceback) and the others still run;
@@ -34,6 +35,7 @@ FIGURES: tuple[str, ...] = (
     "grad_norm",
     "checkpoint",
     "debug_cost",
+    "state_scaling",
 )
 
 
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_figure_list,
         default=FIGURES,
         help=f"comma-separated figure keys out of {','.join(FIGURES)}",
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run the GPU figure (needs 2+ CUDA devices) and merge it into OUT's report",
     )
     parser.add_argument(
         "--merge",
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_report(info, figures, args.out)
         print(f"re-rendered {paths['md']} and {paths['png']}")
         return 0
+    if args.gpu:
+        args.only, args.merge = ("gpu",), True
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     settings = Settings(quick=args.quick)
     info = RunInfo.collect(quick=args.quick, command=command.strip())

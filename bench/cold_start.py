@@ -31,14 +31,16 @@ RESTART = "Pool.restart() of a started pool (ours)"
 FROM_SCRATCH_ARGS = {"send_engines_connection_env": True}
 
 
-def pool_start_seconds(world: int, restart: bool = False, **cluster_kwargs: object):
+def pool_start_seconds(
+    world: int, restart: bool = False, devices: str | None = "cpu", **cluster_kwargs: object
+):
     """Seconds ``Pool(world).start()`` takes (and ``restart()`` after it, if asked).
 
     Returns ``(start_s, restart_s or None)``; the pool is stopped afterwards.
     """
     from fsdp_interactive.pool import Pool
 
-    pool = Pool(world, devices="cpu", show_topology=False, **cluster_kwargs)
+    pool = Pool(world, devices=devices, show_topology=False, **cluster_kwargs)
     try:
         begin = time.perf_counter()
         pool.start()

@@ -79,7 +79,10 @@ def growth_sentence(curve: Curve) -> str:
     growth = describe(curve.xs, medians, [_half_width(v) for v in curve.values])
     per = curve.per
     singular = curve.x_label.rstrip("s") if curve.x_label.endswith("s") else curve.x_label
-    per_text = f"per {per:,.0f} {curve.x_label}" if per != 1 else f"per {singular}"
+    if curve.x_unit:
+        per_text = f"per {_fmt_x(per, curve.x_unit)} of {curve.x_label}"
+    else:
+        per_text = f"per {per:,.0f} {curve.x_label}" if per != 1 else f"per {singular}"
     slope = growth.line.slope * per
     sign = "grows" if slope >= 0 else "falls"
     text = f"{curve.name}: {sign} {_fmt(abs(slope), unit)} {per_text} ({span})"

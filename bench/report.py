@@ -315,13 +315,17 @@ def render_markdown(
         add("")
     add("## Not measured here")
     add("")
-    add(
-        "- CUDA/NCCL figures: this machine has no GPU, so every figure above uses CPU ranks "
-        "with gloo. On a GPU machine the same command measures the same contenders on CPU "
-        "ranks; a CUDA/NCCL section is not produced yet. Comparing sharded training needs "
-        "at least two GPUs on one host: NCCL refuses two ranks on one device, and at world "
-        "size 1 torch's FSDP1 switches FULL_SHARD to NO_SHARD."
-    )
+    if not any(f.key == "gpu" and not f.error for f in figures):
+        add(
+            "- CUDA/NCCL figures are not measured yet: no GPU was available, so every figure "
+            "above uses CPU ranks with gloo. On a host with at least two CUDA devices, "
+            "`make bench-gpu` (`python -m bench --gpu`, then `pytest -m cuda`) measures NCCL "
+            "dispatch, start, steps/s, MFU and memory per device of ours against torch FSDP1 "
+            "and `fully_shard` by hand, merges them into this report and runs every "
+            "CUDA-marked test. Sharded training needs two GPUs or more: NCCL refuses two "
+            "ranks on one device, and at world size 1 torch's FSDP1 switches FULL_SHARD to "
+            "NO_SHARD."
+        )
     add(
         "- The `%%fsdp` round trip is measured in a real IPython shell inside the benchmark "
         "process, not through a Jupyter kernel: the kernel's own ZMQ message from the "

@@ -40,7 +40,9 @@ class Relaunch:
     total_s: float
 
 
-def _launch(world_size: int, script: Path, stderr: Any = subprocess.PIPE) -> subprocess.Popen:
+def _launch(
+    world_size: int, script: Path, stderr: Any = subprocess.PIPE, backend: str = "gloo"
+) -> subprocess.Popen:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     cmd = [
@@ -51,7 +53,8 @@ def _launch(world_size: int, script: Path, stderr: Any = subprocess.PIPE) -> sub
         f"--nproc-per-node={world_size}",
         str(script),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # The scripts read the backend from BENCH_BACKEND (nccl: one CUDA device per rank).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_BACKEND=backend)
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -62,11 +65,13 @@ def _launch(world_size: int, script: Path, stderr: Any = subprocess.PIPE) -> sub
     )
 
 
-def relaunch(world_size: int, script: Path = NOOP_SCRIPT, timeout: float = 120.0) -> Relaunch:
+def relaunch(
+    world_size: int, script: Path = NOOP_SCRIPT, timeout: float = 120.0, backend: str = "gloo"
+) -> Relaunch:
     """Launch ``script`` on ``world_size`` local ranks with torchrun and time it."""
     start_wall = time.time()
     start = time.perf_counter()
-    proc = _launch(world_size, script)
+    proc = _launch(world_size, script, backend=backend)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

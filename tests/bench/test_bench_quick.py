@@ -31,6 +31,7 @@ FIGURES = (
     "grad_norm",
     "checkpoint",
     "debug_cost",
+    "state_scaling",
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
