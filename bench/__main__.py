@@ -105,7 +105,14 @@ def _merged(previous: Path, measured: list[FigureResult]) -> list[FigureResult]:
     """``measured`` plus the figures of ``previous`` it does not replace, in report order."""
     if not previous.is_file():
         return measured
-    by_key = {f.key: f for f in load_results(previous)[1]}
+    info, kept = load_results(previous)
+    for figure in kept:
+        if not figure.measured:
+            figure.measured = (
+                f"in an earlier run, from {info.started} (load average {info.load_before}) to "
+                f"{info.finished} (load average {info.load_after}), `{info.command}`"
+            )
+    by_key = {f.key: f for f in kept}
     by_key.update({f.key: f for f in measured})
     order = {key: index for index, key in enumerate(FIGURES)}
     return sorted(by_key.values(), key=lambda f: order.get(f.key, len(order)))

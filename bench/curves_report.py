@@ -124,7 +124,10 @@ def curves_markdown(figures: list[FigureResult], plot_name: str) -> list[str]:
         lines += [f"### {title}: {panel}", ""]
         xs = sorted({x for c in curves for x in c.xs})
         x_unit = curves[0].x_unit
-        header = "| Curve | " + " | ".join(f"{_fmt_x(x, x_unit)} {curves[0].x_label}" for x in xs)
+        label = curves[0].x_label
+        header = "| Curve | " + " | ".join(
+            f"{_fmt_x(x, x_unit)} {label.removesuffix('s') if x == 1 else label}" for x in xs
+        )
         lines += [header + " |", "| --- |" + " --- |" * len(xs)]
         by_name = {c.name: c for c in curves}
         for curve in curves:
@@ -234,6 +237,12 @@ def _draw(ax: Any, title: str, panel: str, curves: list[Curve], ratios: bool) ->
             ax.set_yscale("log")
     if len(xs_all) > 1 and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
         ax.set_xscale("log", base=2 if curves[0].x_label == "ranks" else 10)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(xs_all)
     ax.set_xticklabels([_fmt_x(x, curves[0].x_unit) for x in xs_all], fontsize=7)
     ax.set_xlabel(curves[0].x_label, fontsize=7)

@@ -417,6 +417,10 @@ def figure_main(run: Callable[[Settings], FigureResult], argv: list[str] | None 
     parser = argparse.ArgumentParser(description=run.__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     args = parser.parse_args(argv)
+    from bench.report import now_and_load
+
+    began = now_and_load()
     result = run(Settings(quick=args.quick))
+    result.measured = f"from {began} to {now_and_load()}"
     print(json.dumps(result.to_dict(), indent=2))
     return 0 if result.error is None else 1
