@@ -228,8 +228,16 @@ def render_markdown(
         "ratio measured in this one run, contenders alternated sample by sample, because the "
         "machine is small and shared (other work ran at the same time, see the load "
         "average). Each value is the median of several repetitions after warm-up, with the "
-        "min and max of the samples in brackets. A ratio is computed from medians; the plot's "
-        "whiskers show the widest ratio the min and max allow."
+        "min and max of the samples in brackets. Where two contenders were alternated round "
+        "by round, the ratio is the median of the per-round ratios (which cancels the "
+        "machine's drift between rounds), else the ratio of the medians. A result is `met` "
+        "or `missed` only when the ratio's 95% confidence interval (two order statistics of "
+        "the per-round ratios; unpaired, the widest ratio the two medians' intervals allow) "
+        "lies wholly on one side of the target, and `unresolved [low, high]` otherwise: the "
+        "noise of the run cannot tell. The summary plot's whiskers show the widest ratio "
+        "the samples' min and max allow; the scaling plot's show the intervals. Rows named "
+        "A/A control compare two identical contenders: their distance from 1 is the run's "
+        "noise floor."
     )
     add("")
     add("## Summary")
