@@ -82,8 +82,8 @@ def _rank_checkpoint_io(root: str, size: ModelSize, reps: int) -> dict[str, Any]
             "model": get_model_state_dict(model, options=options),
             "optim": get_optimizer_state_dict(model, optim, options=options),
         }
+        path = fresh()  # on every rank: the ranks' counters must stay equal
         if rank == 0:
-            path = fresh()
             path.mkdir(parents=True)
             with open(path / "state.pt", "wb") as f:
                 torch.save(state, f)
