@@ -81,6 +81,22 @@ def foreach_norm(
     return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
 
 
+def flight_recorder_dump() -> Callable[[bool, bool, bool], bytes] | None:
+    """``torch._C._distributed_c10d._dump_fr_trace``: the flight recorder's pickled dump.
+
+    Called as ``(include_collectives, include_stack_traces, only_active)``; the bytes
+    unpickle to a dict with ``"entries"``. ``None`` on a torch built without
+    ``torch.distributed``, or one without the recorder (the caller says so to the user).
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    c10d = importlib.import_module("torch._C._distributed_c10d")
+    return getattr(c10d, "_dump_fr_trace", None)
+
+
 # ---------------------------------------------------------------------------- nn.Module
 
 #: ``torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX``: the state-dict key of

@@ -58,6 +58,14 @@ def test_map_tree_maps_nested_leaves():
     assert compat.map_tree(lambda x: x * 2, {"a": [1, (2, 3)]}) == {"a": [2, (4, 6)]}
 
 
+def test_flight_recorder_dump_takes_three_flags_and_returns_a_pickled_dict():
+    dump = compat.flight_recorder_dump()
+    assert dump is not None, f"torch {torch.__version__} has no flight recorder dump"
+    trace = pickle.loads(dump(True, False, False))
+    assert isinstance(trace["entries"], list)
+    assert "version" in trace
+
+
 # ---------------------------------------------------------------------------- nn.Module
 
 

@@ -5,7 +5,7 @@ the group), ranks top to bottom. Each cell is coloured by the collective the ran
 under that number; a thick black edge marks one the rank still waits in; a hatched grey
 cell a number the rank never issued; a red mark above a column a number the ranks
 disagree on (different collectives or shapes). Built from the plain
-:class:`~fsdp_interactive.pool._collectives.RecorderDump` records the ranks sent.
+:class:`~fsdp_interactive.pool.RecorderDump` records the ranks sent.
 Readable at 8+ ranks and a few hundred collectives per panel.
 """
 
@@ -14,18 +14,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_interactive.pool._collectives import RecorderDump, groups_of
+from fsdp_interactive.pool import CollectiveTrace, RecorderDump
 
 _NOT_ISSUED = "#eeeeee"
 _NOT_RECORDED = "#ffffff"
 
 
-def trace_figure(dumps: Mapping[int, RecorderDump], last: int = 60) -> Any:
-    """The timeline as a matplotlib Figure (not attached to pyplot)."""
+def trace_figure(trace: CollectiveTrace, last: int = 60) -> Any:
+    """The timeline of ``trace`` (what ``Pool.trace()`` returns) as a matplotlib Figure
+    (not attached to pyplot)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
-    groups = [g for g in groups_of(dumps) if any(_records(d, g[0]) for d in dumps.values())]
+    dumps = trace.dumps
+    groups = [g for g in trace.groups() if any(_records(d, g[0]) for d in dumps.values())]
     ranks = sorted(rank for rank, dump in dumps.items() if not dump.note)
     ops = sorted({r.op for d in dumps.values() for r in d.records if not r.p2p})
     palette = _palette(len(ops))

@@ -320,6 +320,10 @@ class CollectiveTrace:
     def table(self, last: int | None = None) -> str:
         return table_text(self.dumps, self.last if last is None else last)
 
+    def groups(self) -> list[tuple[str, str]]:
+        """``(group id, description)`` of every group any rank recorded, default group first."""
+        return groups_of(self.dumps)
+
     def __str__(self) -> str:
         findings = self.findings or ["the ranks agree on every recorded collective"]
         table = self.table() or "(no collectives recorded)"

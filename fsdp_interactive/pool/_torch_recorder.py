@@ -61,16 +61,6 @@ def buffer_size() -> int:
         return 2000
 
 
-def _dump_function() -> Any:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None
-    import torch._C._distributed_c10d as c10d
-
-    return getattr(c10d, "_dump_fr_trace", None)
-
-
 def check(backend: str) -> str | None:
     """After the group's first collective: ``None`` when it was recorded, else why not.
 
@@ -79,9 +69,11 @@ def check(backend: str) -> str | None:
     global _note
     import torch
 
+    from fsdp_interactive._torch_compat import flight_recorder_dump
+
     if buffer_size() <= 0:
         _note = f"the flight recorder is off ({BUFFER_ENV}=0; Pool(flight_recorder=N) turns it on)"
-    elif _dump_function() is None:
+    elif flight_recorder_dump() is None:
         _note = f"torch {torch.__version__} has no flight recorder dump for {backend}"
     elif not _raw_dump(stack_traces=False).get("entries"):
         _note = f"torch {torch.__version__} does not record {backend} collectives"
@@ -91,7 +83,9 @@ def check(backend: str) -> str | None:
 
 
 def _raw_dump(stack_traces: bool) -> dict[str, Any]:
-    function = _dump_function()
+    from fsdp_interactive._torch_compat import flight_recorder_dump
+
+    function = flight_recorder_dump()
     if function is None:
         return {}
     return pickle.loads(function(True, stack_traces, False))
