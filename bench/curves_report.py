@@ -27,6 +27,10 @@ def _fmt(value: float, unit: str) -> str:
     return fmt_value(value, unit)
 
 
+def _signed(value: float, unit: str) -> str:
+    return ("-" if value < 0 else "") + _fmt(abs(value), unit)
+
+
 def _fmt_x(x: float, unit: str) -> str:
     if unit:
         return _fmt(x, unit)
@@ -92,8 +96,8 @@ def growth_sentence(curve: Curve) -> str:
         bend = growth.bend
         text += (
             f"; bends at {_fmt_x(bend.knot, curve.x_unit)} {curve.x_label}: "
-            f"{_fmt(bend.slope * per, unit)} {per_text} before, "
-            f"{_fmt(bend.slope_after * per, unit)} after"
+            f"{_signed(bend.slope * per, unit)} {per_text} before, "
+            f"{_signed(bend.slope_after * per, unit)} after"
         )
     else:
         text += "; no bend the noise resolves"

@@ -524,8 +524,23 @@ def write_report(info: RunInfo, figures: list[FigureResult], out_dir: Path) -> d
     scaling = out_dir / SCALING_PLOT
     if render_curves(figures, scaling):
         paths["scaling_png"] = scaling
-    paths["md"].write_text(render_markdown(info, figures, paths["png"].name))
+    text = render_markdown(info, figures, paths["png"].name)
+    paths["md"].write_text(text + _kept_sections(paths["md"]))
     return paths
+
+
+# Sections of benchmarks.md written by other commands (their own headings say how); a
+# rerun of the report keeps them, from their heading to the end of the file.
+KEPT_SECTIONS = ("## Notebook views at real sizes",)
+
+
+def _kept_sections(md: Path) -> str:
+    if not md.is_file():
+        return ""
+    old = md.read_text()
+    starts = [old.find(f"\n{heading}") for heading in KEPT_SECTIONS]
+    starts = [s for s in starts if s >= 0]
+    return old[min(starts) :].rstrip("\n") + "\n" if starts else ""
 
 
 def load_results(path: Path) -> tuple[RunInfo, list[FigureResult]]:
