@@ -211,11 +211,14 @@ def _verdicts(
             for w in worlds
         ]
         worst = max((e for e in exponents if e is not None), default=None)
-        time_ok = at_300 is not None and at_300.median <= PROBE_LIMIT_S
+        budget = Comparison(
+            "probes", "", name, "budget", at_300, Stat([PROBE_LIMIT_S], "s"), Target("<=", 1.0)
+        )
+        outcome = {"missed": "**missed**"}.get(budget.verdict or "", budget.verdict)
         growth_ok = worst is not None and worst <= 1.0
         lines.append(
             f"{name}: {at_300.median * 1e3:.0f} ms at 300 parameters on {world} ranks "
-            f"(target <= {PROBE_LIMIT_S * 1e3:.0f} ms: {'met' if time_ok else '**missed**'}); "
+            f"(target <= {PROBE_LIMIT_S * 1e3:.0f} ms: {outcome}); "
             f"log-log slope over {sizes[0]}-{sizes[-1]} parameters at most "
             f"{worst:.2f} over {', '.join(map(str, worlds))} ranks (target <= 1, no faster "
             f"than linear: {'met' if growth_ok else '**missed**'})."
