@@ -17,6 +17,9 @@ follow the active type:
   keeps only this rank's shard (no communication).
 * ``SHARDED_STATE_DICT``: ``DTensor`` values (FSDP2's native state dict). torch FSDP1
   returns ``ShardedTensor`` unless ``_use_dtensor`` is set; here it is always ``DTensor``.
+  Loading accepts ``DTensor``, full tensors and torch's ``ShardedTensor`` (FSDP1's own
+  sharded values), resharded to each parameter's layout (:mod:`._sharded_tensor`; a
+  collective, as FSDP1's sharded load is).
 * ``LOCAL_STATE_DICT``: this rank's local shard of each parameter as a plain tensor,
   under the parameter's own key. torch FSDP1 instead returns one flattened, padded
   ``_flat_param`` ``ShardedTensor`` per FSDP unit (plus per-parameter views); FSDP2 has no
@@ -46,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_interactive.checkpoint._state import hooks_suspended
+from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
 from fsdp_interactive.fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -309,7 +313,9 @@ def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) 
             continue
         if not isinstance(value, torch.Tensor):
             continue
-        if kind == StateDictType.LOCAL_STATE_DICT:
+        if is_sharded_tensor(value):
+            state_dict[key] = to_dtensor_like(value, param)
+        elif kind == StateDictType.LOCAL_STATE_DICT:
             state_dict[key] = DTensor.from_local(
                 value.to(param.device),
                 param.device_mesh,

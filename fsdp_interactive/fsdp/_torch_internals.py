@@ -13,8 +13,12 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed._shard.sharded_tensor import (
+    ShardedTensor as ShardedTensor,  # FSDP1's sharded values, accepted as load input
+)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_WRAPPED_MODULE,
 )
@@ -131,6 +135,22 @@ def foreach_norm(
     if dtype is None:
         return list(torch._foreach_norm(tensors, norm_type))
     return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
+
+
+def sharded_tensor_group(value: ShardedTensor) -> dist.ProcessGroup | None:
+    """The process group a ``ShardedTensor`` is sharded over (``ShardedTensor._process_group``;
+    checked on torch 2.13.0)."""
+    return value._process_group
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes the storage this rank holds for ``tensor`` has seen
+    (``Tensor._version`` of the local tensor, shared by its views; checked on torch 2.13.0).
+
+    Tells a state-dict placeholder that something (a DCP load) wrote into it from one that
+    nothing did.
+    """
+    return local_tensor(tensor)._version
 
 
 # ----------------------------------------------------------------------- fully_shard state
