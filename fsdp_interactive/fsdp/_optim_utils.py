@@ -42,7 +42,7 @@ from fsdp_interactive.checkpoint import _state
 from fsdp_interactive.checkpoint._collective import Ranks
 from fsdp_interactive.fsdp import _optim_placeholders
 from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
-from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type
+from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type, has_chosen_type
 from fsdp_interactive.fsdp.api import OptimStateKeyType, StateDictType
 
 _CLASS = "FullyShardedDataParallel"
@@ -105,9 +105,10 @@ def optim_state_dict(
     on nonzero ranks; ``offload_to_cpu``, default True, -> CPU). SHARDED and LOCAL:
     ``DTensor`` shards (torch FSDP1 gives ``ShardedTensor`` for both).
 
-    An optimizer that has not stepped yet has no state. Under FULL_STATE_DICT the result
-    then has none either (``"state": {}``, as in torch FSDP1). Under SHARDED and LOCAL it
-    holds placeholders: the tensors the optimizer's first step would create, so that
+    An optimizer that has not stepped yet has no state. Under FULL_STATE_DICT, and for a raw
+    ``fully_shard`` model whose type was never set, the result then has none either
+    (``"state": {}``, as in torch FSDP1). Under a SHARDED or LOCAL type set with
+    :func:`~._state_dict_utils.state_dict_type` (the DCP recipes' way) it holds placeholders: the tensors the optimizer's first step would create, so that
     ``dcp.load`` into this dict fills them and :func:`optim_state_dict_to_load` restores the
     checkpoint's state, where torch FSDP1 silently leaves the optimizer fresh. ``optim``
     itself stays fresh. Placeholders nothing wrote into are dropped again by
@@ -124,14 +125,24 @@ def optim_state_dict(
             cpu_offload=config.offload_to_cpu,
             rank0_only=getattr(config, "rank0_only", False),
         )
-    return _sharded_optimizer_state(model, optim, cpu_offload=config.offload_to_cpu)
+    return _sharded_optimizer_state(
+        model,
+        optim,
+        cpu_offload=config.offload_to_cpu,
+        placeholders=has_chosen_type(model),
+    )
 
 
 def _sharded_optimizer_state(
-    model: nn.Module, optim: torch.optim.Optimizer, *, cpu_offload: bool = False
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    cpu_offload: bool = False,
+    placeholders: bool = True,
 ) -> dict[str, Any]:
-    """DTensor optimizer state by FQN; placeholders for a fresh ``optim`` (see above)."""
-    if _optim_placeholders.has_state(optim):
+    """DTensor optimizer state by FQN; with ``placeholders``, placeholders for a fresh
+    ``optim`` (see :func:`optim_state_dict`)."""
+    if not placeholders or _optim_placeholders.has_state(optim):
         return _state.optimizer_state(model, optim, full=False, cpu_offload=cpu_offload)
     _optim_placeholders.allocate(optim)
     try:

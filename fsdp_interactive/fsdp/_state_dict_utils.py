@@ -100,6 +100,13 @@ def settings_of(unit: nn.Module) -> StateDictSettings:
     return getattr(unit, _SETTINGS, None) or native_settings()
 
 
+def has_chosen_type(module: nn.Module) -> bool:
+    """Whether the FSDP units under ``module`` have a state-dict type set (by
+    :func:`set_state_dict_type` or FSDP1's default at construction) rather than the native
+    behaviour of a raw ``fully_shard`` model."""
+    return any(getattr(unit, _SETTINGS, None) is not None for unit in fsdp_units(module))
+
+
 def set_state_dict_type(
     module: nn.Module,
     state_dict_type: StateDictType,
