@@ -72,6 +72,12 @@ def to_dtensor_like(value: ShardedTensor, like: DTensor) -> DTensor:
         full = _assemble(value, like, group)
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         local = full[index].clone()
+    return local_as_dtensor_like(local, like)
+
+
+def local_as_dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` (this rank's piece, unchecked) as a DTensor with ``like``'s mesh, placements,
+    global shape and stride, on ``like``'s device; no communication."""
     return DTensor.from_local(
         local.to(like.device),
         like.device_mesh,

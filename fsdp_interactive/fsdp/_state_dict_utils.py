@@ -49,7 +49,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_interactive.checkpoint._state import hooks_suspended
-from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
+from fsdp_interactive.fsdp._sharded_tensor import (
+    is_sharded_tensor,
+    local_as_dtensor_like,
+    to_dtensor_like,
+)
 from fsdp_interactive.fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -323,14 +327,7 @@ def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) 
         if is_sharded_tensor(value):
             state_dict[key] = to_dtensor_like(value, param)
         elif kind == StateDictType.LOCAL_STATE_DICT:
-            state_dict[key] = DTensor.from_local(
-                value.to(param.device),
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
+            state_dict[key] = local_as_dtensor_like(value, param)
         elif tuple(value.shape) == tuple(param.shape):
             state_dict[key] = distribute_tensor(
                 value.to(param.device, param.dtype),

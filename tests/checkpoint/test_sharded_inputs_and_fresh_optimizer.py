@@ -15,7 +15,9 @@ import os
 import warnings
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 from fsdp_interactive.fsdp import StateDictType
@@ -68,6 +70,17 @@ def test_torch_fsdp1_sharded_state_dict_reshards_into_a_hybrid_mesh(ranks4):
         assert r["diff"] == 0.0
 
 
+def _load_into_fresh(path: str, optim_kind: str) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """A fresh model and optimizer; the recipe: ``dcp.load`` into ``optim_state_dict``."""
+    model = c.build("wrapper", seed=0)
+    optim = c.optimizer(model, optim_kind)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"optim": FSDP.optim_state_dict(model, optim)}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        loadable = FSDP.optim_state_dict_to_load(model, optim, state["optim"])
+    return model, optim, loadable
+
+
 def fresh_optimizer(path: str) -> dict:
     warnings.simplefilter("ignore", FutureWarning)
     model = c.build("wrapper", seed=0)
@@ -100,12 +113,7 @@ def fresh_optimizer(path: str) -> dict:
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"optim": template}, storage_writer=dcp.FileSystemWriter(path))
     fresh_losses = [c.train_step(model, optim, step) for step in range(3)]
-    again = c.build("wrapper", seed=0)
-    again_optim = c.optimizer(again, "adam")
-    with FSDP.state_dict_type(again, StateDictType.SHARDED_STATE_DICT):
-        state = {"optim": FSDP.optim_state_dict(again, again_optim)}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-        loadable = FSDP.optim_state_dict_to_load(again, again_optim, state["optim"])
+    again, again_optim, loadable = _load_into_fresh(path, "adam")
     again_optim.load_state_dict(loadable)
     out["loaded_entries"] = len(loadable["state"])
     out["step0_resume_diff"] = max(
@@ -139,13 +147,7 @@ def dcp_load_counts(path: str) -> int:
             {"optim": FSDP.optim_state_dict(model, optim)},
             storage_writer=dcp.FileSystemWriter(path),
         )
-    fresh = c.build("wrapper", seed=0)
-    fresh_optim = c.optimizer(fresh, "sgd")
-    with FSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
-        state = {"optim": FSDP.optim_state_dict(fresh, fresh_optim)}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-        loadable = FSDP.optim_state_dict_to_load(fresh, fresh_optim, state["optim"])
-    return len(loadable["state"])
+    return len(_load_into_fresh(path, "sgd")[2]["state"])
 
 
 def test_placeholders_filled_by_dcp_load_are_applied_for_sgd(ranks2, tmp_path):

@@ -132,19 +132,6 @@ def train_reference(arch: str, steps: int = STEPS, seed: int = 0, **overrides: A
     return Run(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Whole parameters under clean names (summon_full_params; a collective)."""
-    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
-
-    with FSDP.summon_full_params(model, writeback=False):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 def unit_names(model: nn.Module) -> list[str]:
     """Clean names of the modules wrapped as FSDP units below the root (either FSDP)."""
     names = []

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.fsdp._common import full_params
 from tests.hf import _common as H
 
 LOGIT_TOL = 1e-5
@@ -49,7 +50,7 @@ def generate_both(arch: str) -> dict:
     with torch.no_grad():
         sharded = model.generate(_prompt(), **kwargs)
     plain = H.build(arch)
-    plain.load_state_dict(H.full_params(model), strict=False)
+    plain.load_state_dict(full_params(model), strict=False)
     plain.eval()
     with torch.no_grad():
         expected = plain.generate(_prompt(), **kwargs)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.fsdp._common import full_params, max_param_diff
 from tests.hf import _common as H
 
 LOSS_TOL = 1e-5
@@ -119,14 +120,14 @@ def train_variant(arch: str, variant: str) -> dict:
     model.train()
     units = H.unit_names(model)
     losses = H.train_sharded(model)
-    params = H.full_params(model)
+    params = full_params(model)
     ref = H.train_reference(arch, **_overrides(variant))
     checkpointed = sorted(
         {type(m).__name__ for m in model.modules() if "Checkpoint" in type(m).__name__}
     )
     out = {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref.losses, strict=True)),
-        "param_diff": H.max_diff(params, ref.params),
+        "param_diff": max_param_diff(params, ref.params),
         "units": units,
         "checkpoint_wrappers": checkpointed,
         "losses": losses,
