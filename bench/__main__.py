@@ -29,6 +29,7 @@ FIGURES: tuple[str, ...] = (
     "memory",
     "grad_norm",
     "checkpoint",
+    "debug_cost",
 )
 
 

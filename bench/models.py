@@ -143,3 +143,19 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tens
     loss.backward()
     optim.step()
     return float(loss.detach())
+
+
+def steps_per_second(
+    model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor, steps: int
+) -> float:
+    """``steps`` training steps between two barriers, timed on this rank: steps/s."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, optim, batch)
+    dist.barrier()
+    return steps / (time.perf_counter() - start)

@@ -9,7 +9,9 @@ Contract:
 
 * ``fn`` must be a module-level function (it is pickled by reference) and must return
   picklable plain data.
-* Every rank runs with ``torch.set_num_threads(threads)``.
+* Every rank runs with ``torch.set_num_threads(threads)``; ``env`` is added to each
+  rank's environment before its process group forms (torch's debug level is re-read
+  from it, as the forkserver imported torch before).
 * If a rank raises, :class:`RankError` carries its traceback; if the ranks take longer
   than ``timeout`` seconds, ``TimeoutError``.  In both cases, and on success, exactly the
   processes started here are joined, and killed by their handles if still alive.
@@ -53,7 +55,9 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     outbox: mp.Queue,
+    env: dict[str, str],
 ) -> None:
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -67,6 +71,8 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        if env:
+            dist.set_debug_level_from_env()
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -91,6 +97,7 @@ def run_on_ranks(
     timeout: float = 600.0,
     threads: int = 1,
     pg_timeout: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Spawn ``world_size`` gloo ranks, run ``fn(*args)`` on each, return results by rank.
 
@@ -104,7 +111,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads, pg_timeout, fn, args, outbox),
+            args=(rank, world_size, port, threads, pg_timeout, fn, args, outbox, dict(env or {})),
             name=f"bench-rank-{rank}",
             daemon=True,
         )

@@ -3,9 +3,9 @@
 :func:`write_report` writes the three files into one folder: the JSON holds every raw
 sample (it is what the report was rendered from), the Markdown holds the machine, the
 versions, the date, the summary table of ratios against targets, per-figure
-measurements, the recorded causes of missed targets and how to reproduce; the PNG plots
-every ratio against its target.  Missing components appear as "not available yet" rows
-without numbers.
+measurements, the profiled causes of missed targets (from ``bench/findings.md``) and how
+to reproduce; the PNG plots every ratio against its target.  Missing components appear
+as "not available yet" rows without numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.findings import FINDINGS, OBSERVATIONS
+from bench import findings as findings_file
 from bench.runner import Comparison, FigureResult, Stat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,14 @@ def ratio_range(comparison: Comparison) -> tuple[float, float] | None:
 # ---------------------------------------------------------------------------- markdown
 
 
-def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) -> str:
+def render_markdown(
+    info: RunInfo,
+    figures: list[FigureResult],
+    plot_name: str,
+    findings: findings_file.Findings | None = None,
+) -> str:
+    """The report's Markdown; ``findings`` defaults to ``bench/findings.md``."""
+    findings = findings if findings is not None else findings_file.load()
     lines: list[str] = []
     add = lines.append
     mode = "quick mode (smoke test sizes; not for conclusions)" if info.quick else "full mode"
@@ -256,7 +263,7 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
         target = members[0][1].target
         add(
             f"- **{figure.title}: {key[1]} vs {key[2]}** (target {target}; {cases}): "
-            + (FINDINGS.get(key) or "no profile of this miss is recorded yet.")
+            + (findings.causes.get(key) or "no profile of this miss is recorded yet.")
         )
     add("")
     for figure in figures:
@@ -278,8 +285,8 @@ def render_markdown(info: RunInfo, figures: list[FigureResult], plot_name: str) 
             add(f"- {note}")
         if figure.notes:
             add("")
-        if figure.key in OBSERVATIONS:
-            add(f"Profiled: {OBSERVATIONS[figure.key]}")
+        if figure.key in findings.observations:
+            add(f"Profiled: {findings.observations[figure.key]}")
             add("")
         add("| Measurement | Median | Min | Max | Samples |")
         add("| --- | --- | --- | --- | --- |")

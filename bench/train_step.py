@@ -17,11 +17,17 @@ Targets: ours >= 1.0x FSDP1 and >= 0.97x fully_shard.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from bench.availability import missing
-from bench.models import WRAPPERS, ModelSize, batch_for, build_model, train_step
+from bench.models import (
+    WRAPPERS,
+    ModelSize,
+    batch_for,
+    build_model,
+    steps_per_second,
+    train_step,
+)
 from bench.ranks import run_on_ranks
 from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main
 
@@ -63,13 +69,7 @@ def _rank_train(
             setups[name] = (model, optim)
 
         def block(name: str, setups: dict[str, Any] = setups) -> float:
-            model, optim = setups[name]
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                train_step(model, optim, batch)
-            dist.barrier()
-            return steps / (time.perf_counter() - start)
+            return steps_per_second(*setups[name], batch, steps)
 
         first_loss = {name: train_step(*setups[name], batch) for name in contenders}
         for _ in range(warmup):

@@ -7,6 +7,8 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
   (:mod:`fsdp_interactive.fsdp`), used on the ranks.
 * ``Pool``: the ipyparallel engine pool, one ``torch.distributed`` rank per engine
   (:mod:`fsdp_interactive.pool`), used in the notebook kernel.
+* ``breakpoint(rank=0, commands=None)``: inside a ``%%fsdp`` cell, stop one rank at the
+  next line (the others wait) and debug it from the notebook's input box.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _LAZY_EXPORTS = {
     "MixedPrecision": "fsdp_interactive.fsdp",
     "StateDictType": "fsdp_interactive.fsdp",
     "Pool": "fsdp_interactive.pool",
+    "breakpoint": "fsdp_interactive.pool._rank_debugger",
 }
 
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]

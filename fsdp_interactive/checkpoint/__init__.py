@@ -4,27 +4,33 @@ Rank side: every function here is called on every rank (collectively) unless not
 returns plain dataclasses a notebook panel can display.
 
 * :func:`save` / :func:`async_save` (-> :class:`SaveHandle`): model + optimizer + JSON
-  ``extra``, every rank writing its own shards; atomic publish; ``keep_last`` rotation.
-* :func:`load` (-> :class:`LoadReport`): all-or-nothing, any world size (resharding),
-  strict or reporting key checks, checksums, no arbitrary unpickling.
+  ``extra`` + ``stateful`` objects (LR schedulers, :class:`RNGState`,
+  :class:`ResumableDistributedSampler`, anything with ``state_dict``/``load_state_dict``),
+  every rank writing its own shards; atomic publish; ``keep_last`` rotation. One
+  pipeline, run in the calling thread or, after staging, in the background.
+* :func:`load` (-> :class:`LoadReport`): all-or-nothing, any world size (resharding,
+  per-rank Stateful states included), strict or reporting key checks, checksums, no
+  arbitrary unpickling.
 * :func:`list_checkpoints` / :func:`latest_checkpoint` (plain file reads, any process).
 * :func:`to_full` / :func:`from_full` (one process, no process group): convert between
   a checkpoint and a plain state-dict file (safetensors or ``torch.save``).
+
+Log records (``logging.getLogger("fsdp_interactive.checkpoint")``, INFO and DEBUG, silent
+unless configured) follow each save and load: plan, capture sizes, per-rank write
+times, manifest, publish, rotation, what a load found and how it resharded.
 """
 
 from __future__ import annotations
 
 from fsdp_interactive.checkpoint._convert import ConversionResult, from_full, to_full
+from fsdp_interactive.checkpoint._handle import SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._layout import latest_checkpoint, list_checkpoints
 from fsdp_interactive.checkpoint._load import LoadReport, load
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord
-from fsdp_interactive.checkpoint._save import (
-    SaveHandle,
-    SaveResult,
-    async_save,
-    save,
-    wait_for_pending_save,
-)
+from fsdp_interactive.checkpoint._rng import RNGState
+from fsdp_interactive.checkpoint._sampler import ResumableDistributedSampler
+from fsdp_interactive.checkpoint._save import async_save, save, wait_for_pending_save
+from fsdp_interactive.checkpoint._stateful import PerRankStateful, Stateful
 from fsdp_interactive.checkpoint.errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -42,8 +48,12 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "LoadReport",
+    "PerRankStateful",
+    "RNGState",
+    "ResumableDistributedSampler",
     "SaveHandle",
     "SaveResult",
+    "Stateful",
     "async_save",
     "from_full",
     "latest_checkpoint",

@@ -1,13 +1,15 @@
 """Converting between a checkpoint folder and a plain (unsharded) state-dict file.
 
-Both directions run in one process without a process group (DCP's ``no_dist`` mode):
+Both directions run in one process without a process group (DCP's ``no_dist`` mode),
+also in a process that has one:
 
 * :func:`to_full` reads the model part of a checkpoint (any saved world size) into full
   CPU tensors and writes them as ``.safetensors`` or as a ``torch.save`` file that loads
-  with ``torch.load(..., weights_only=True)``. Optimizer state is not exported.
+  with ``torch.load(..., weights_only=True)``. Optimizer and Stateful state are not
+  exported.
 * :func:`from_full` turns such a file (or a plain ``nn.Module`` state dict) into a
-  published checkpoint with world size 1 and no optimizer state; :func:`load` reshards it
-  onto any number of ranks.
+  published checkpoint with world size 1 and no optimizer state, through the same save
+  pipeline as :func:`save`; :func:`load` reshards it onto any number of ranks.
 """
 
 from __future__ import annotations
@@ -15,19 +17,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp_interactive.checkpoint import _layout, _manifest
-from fsdp_interactive.checkpoint._collective import single_process_quietly
-from fsdp_interactive.checkpoint._load import _check_folder, _paths_of, _unwrap_dcp_error
-from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE, safe_load
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint import _layout, _pipeline
+from fsdp_interactive.checkpoint._load import check_folder, unwrap_dcp_error, verify_files
+from fsdp_interactive.checkpoint._safe_reader import safe_load, section_paths
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
@@ -59,15 +59,10 @@ def _format_for(out: Path, fmt: str | None) -> FileFormat:
 def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model part of a checkpoint as full CPU tensors (checksums verified first)."""
     folder = Path(checkpoint).absolute()
-    manifest, metadata = _check_folder(folder)
-    for name, record in sorted(manifest.files.items()):
-        message = _manifest.verify_file(folder, name, record)
-        if message is not None:
-            raise CorruptCheckpointError(
-                f"checkpoint {folder} is damaged: {message}", file=str(folder / name)
-            )
+    manifest, metadata = check_folder(folder)
+    verify_files(folder, manifest, metadata, Ranks(local=True), checksum=True)
     target: dict[str, Any] = {"model": {}}
-    for key, path in _paths_of(metadata, "model").items():
+    for key, path in section_paths(metadata, "model").items():
         entry = metadata.state_dict_metadata[key]
         if isinstance(entry, TensorStorageMetadata) and len(path) == 2:
             target["model"][path[1]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
@@ -76,7 +71,7 @@ def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:
-        raise _unwrap_dcp_error(exc) from exc
+        raise unwrap_dcp_error(exc) from exc
     return target["model"]
 
 
@@ -150,44 +145,22 @@ def from_full(
     overwrite: bool = False,
 ) -> ConversionResult:
     """Write a plain state dict (a file path or a dict) as a checkpoint folder."""
+    started = time.monotonic()
     state = read_state_file(source) if not isinstance(source, dict) else dict(source)
-    final = Path(checkpoint).absolute()
-    _layout.check_save_target(final, overwrite)
-    partial = _layout.partial_path(final, _layout.new_token())
-    partial.mkdir()
-    try:
-        with single_process_quietly():
-            dcp.save(
-                {"model": {k: v.detach().cpu() for k, v in state.items()}},
-                storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
-                no_dist=True,
-            )
-        files = {
-            p.name: _manifest.hash_file(p)
-            for p in sorted(partial.iterdir())
-            if p.is_file() and (p.suffix == ".distcp" or p.name == METADATA_FILE)
-        }
-        now = time.time()
-        manifest = _manifest.Manifest(
-            step=step,
-            world_size=1,
-            created_unix=now,
-            created_utc=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-            has_optimizer=False,
-            files=files,
-        )
-        _manifest.write_text_durably(partial / _manifest.EXTRA_FILE, "{}")
-        _manifest.write_text_durably(partial / _manifest.MANIFEST_FILE, manifest.to_json())
-        _layout.publish(partial, final)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    request = _pipeline.SaveRequest.of(
+        checkpoint, step=step, keep_last=None, overwrite=overwrite, extra=None
+    )
+    captured = _pipeline.Capture(
+        {"model": {k: v.detach().cpu() for k, v in state.items()}},
+        _pipeline.Contents(has_optimizer=False),
+    )
+    ranks = Ranks(local=True)
+    plan = _pipeline.plan(request, "sync", ranks, started=started)
+    result = _pipeline.run(plan, captured, ranks).wait()
     return ConversionResult(
         source=str(source) if not isinstance(source, dict) else "<state dict>",
-        output=str(final),
+        output=result.path,
         num_tensors=len(state),
-        size_bytes=sum(f.size for f in files.values()),
+        size_bytes=result.size_bytes,
         format="dcp",
     )

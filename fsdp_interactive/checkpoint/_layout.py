@@ -14,6 +14,7 @@ Nothing here talks to other ranks; callers decide which rank runs what.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import uuid
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord, read_manifest
 from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
+
+logger = logging.getLogger(__name__)
 
 _PARTIAL_MARK = ".partial-"
 _REPLACED_MARK = ".replaced-"
@@ -92,8 +95,10 @@ def publish(partial: Path, final: Path) -> None:
             os.rename(trash, final)
         raise CheckpointError(f"could not publish {partial} as {final}: {exc}") from exc
     fsync_dir(final.parent)
+    logger.info("published %s (renamed from %s)", final, partial.name)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
+        logger.info("replaced the previous checkpoint at %s", final)
 
 
 def remove_stale_partials(root: Path, keep: set[Path] | None = None) -> list[Path]:
@@ -109,10 +114,12 @@ def remove_stale_partials(root: Path, keep: set[Path] | None = None) -> list[Pat
             original = root / child.name[1:].split(_REPLACED_MARK)[0]
             if not original.exists():
                 os.rename(child, original)
+                logger.info("restored %s from an interrupted overwrite", original)
                 continue
         if is_partial(child) or (child.name.startswith(".") and _REPLACED_MARK in child.name):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
+            logger.info("removed %s, left by a save that did not finish", child)
     return removed
 
 
@@ -154,4 +161,5 @@ def rotate(root: Path, keep_last: int, protect: Path) -> list[str]:
     doomed = [r for r in records[: max(0, len(records) - keep_last)] if Path(r.path) != protect]
     for record in doomed:
         shutil.rmtree(record.path, ignore_errors=True)
+        logger.info("rotation (keep_last=%d) removed %s", keep_last, record.path)
     return [r.path for r in doomed]

@@ -1,49 +1,70 @@
-"""Loading a checkpoint into a (possibly differently sharded) model and optimizer.
+"""Loading a checkpoint into a (possibly differently sharded) model, optimizer and
+Stateful objects.
 
-All-or-nothing: before anything is written into the model or optimizer,
+All-or-nothing: before anything is written into them,
 
 1. the manifest and DCP metadata are read (metadata with the allow-list unpickler);
 2. every data file is checked against the manifest's size and SHA-256, the files split
    across the ranks (``verify=False`` checks sizes only);
 3. the checkpoint's keys and shapes are compared with the model's (and the optimizer's
-   parameter groups);
+   parameter groups, and the Stateful names and kinds);
 4. the data are read by DCP into freshly allocated buffers shaped like this rank's
-   shards (DCP does the resharding: a checkpoint from N ranks loads on M).
+   shards (DCP does the resharding: a checkpoint from N ranks loads on M);
+5. per-rank Stateful states are resharded when N != M (``reshard_state``).
 
-Only then are the buffers applied with ``set_model_state_dict`` /
+Only then are the buffers applied: the Stateful objects' ``load_state_dict`` first (the
+one step whose errors cannot be checked beforehand: if one raises, every rank raises it
+and the model and optimizer are left as they were), then ``set_model_state_dict`` /
 ``set_optimizer_state_dict``. Every rank raises the same error when any check fails.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.checkpoint import _manifest, _state
-from fsdp_interactive.checkpoint._collective import Ranks
-from fsdp_interactive.checkpoint._safe_reader import read_metadata, safe_load
-from fsdp_interactive.checkpoint._save import wait_for_pending_save
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._torch_compat import set_element
+from fsdp_interactive.checkpoint import _manifest, _stateful
+from fsdp_interactive.checkpoint._handle import INFLIGHT
+from fsdp_interactive.checkpoint._safe_reader import (
+    read_metadata,
+    safe_load,
+    section_paths,
+    storage_extents,
+)
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
+from fsdp_interactive.fsdp import _fqn_state
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a finished load reports (identical on every rank)."""
+    """What a finished load reports (identical on every rank).
+
+    ``missing_keys`` names what this load asked for and the checkpoint lacks (model keys,
+    ``"optim"``, ``"stateful:<name>"``); ``unexpected_keys`` what the checkpoint holds
+    for the model or optimizer and the model lacks (``"optim:<fqn>"``).
+    """
 
     path: str
     step: int | None
@@ -54,23 +75,11 @@ class LoadReport:
     unexpected_keys: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    loaded_stateful: list[str] = field(default_factory=list)
 
 
-def _paths_of(metadata: Metadata, section: str) -> dict[str, tuple]:
-    """Flattened DCP key -> object path for entries of ``section`` ("model"/"optim")."""
-    mapping = getattr(metadata, "planner_data", None) or {}
-    out = {}
-    for key in metadata.state_dict_metadata:
-        path = mapping.get(key)
-        if path is None:
-            head, _, rest = key.partition(".")
-            path = (head, rest)
-        if path and path[0] == section:
-            out[key] = tuple(path)
-    return out
-
-
-def _check_folder(path: Path) -> tuple[_manifest.Manifest, Metadata]:
+def check_folder(path: Path) -> tuple[_manifest.Manifest, Metadata]:
+    """The manifest and DCP metadata of the checkpoint folder ``path`` (no data read)."""
     if not path.exists():
         raise CheckpointPathError(f"checkpoint path {str(path)!r} does not exist")
     if not path.is_dir():
@@ -80,38 +89,24 @@ def _check_folder(path: Path) -> tuple[_manifest.Manifest, Metadata]:
     return manifest, metadata
 
 
-def _verify_files(
-    path: Path, manifest: _manifest.Manifest, metadata: Metadata, ranks: Ranks, full: bool
+def verify_files(
+    path: Path, manifest: _manifest.Manifest, metadata: Metadata, ranks: Ranks, checksum: bool
 ) -> None:
-    from fsdp_interactive.checkpoint._safe_reader import storage_extents
-
+    """Sizes (and with ``checksum`` SHA-256) of every file, split across the ranks."""
     problems: list[tuple[str, str]] = []
-    for name, need in storage_extents(metadata).items():
-        if name not in manifest.files:
-            problems.append((str(path / name), f"{path / name}: not listed in the manifest"))
-        elif manifest.files[name].size < need:
-            problems.append((str(path / name), f"{path / name}: manifest size below data extent"))
-    names = sorted(manifest.files)
-    for i, name in enumerate(names):
-        if not full:
-            size_only = _manifest.FileRecord(manifest.files[name].size, "")
-            file = path / name
-            if not file.exists():
-                problems.append((str(file), f"{file}: file is missing"))
-            elif file.stat().st_size != size_only.size:
+    if ranks.rank == 0:
+        for name, need in storage_extents(metadata).items():
+            if name not in manifest.files:
+                problems.append((str(path / name), f"{path / name}: not listed in the manifest"))
+            elif manifest.files[name].size < need:
                 problems.append(
-                    (
-                        str(file),
-                        f"{file}: file is {file.stat().st_size} bytes, the manifest "
-                        f"says {size_only.size} (truncated or altered)",
-                    )
+                    (str(path / name), f"{path / name}: manifest size below data extent")
                 )
-            continue
-        if i % ranks.size != ranks.rank:
-            continue
-        message = _manifest.verify_file(path, name, manifest.files[name])
-        if message is not None:
-            problems.append((str(path / name), message))
+    for i, name in enumerate(sorted(manifest.files)):
+        if i % ranks.size == ranks.rank:
+            message = _manifest.verify_file(path, name, manifest.files[name], checksum=checksum)
+            if message is not None:
+                problems.append((str(path / name), message))
     all_problems = sorted({p for per_rank in ranks.all_gather(problems) for p in per_rank})
     if all_problems:
         first_file = all_problems[0][0]
@@ -122,10 +117,10 @@ def _verify_files(
 def _model_targets(
     model: nn.Module, metadata: Metadata, strict: bool
 ) -> tuple[dict[str, Any], list[str], list[str]]:
-    current = _state.model_state(model)
+    current = _fqn_state.model_state(model)
     saved = {
         path[1]: metadata.state_dict_metadata[key]
-        for key, path in _paths_of(metadata, "model").items()
+        for key, path in section_paths(metadata, "model").items()
         if len(path) == 2
     }
     missing = sorted(set(current) - set(saved))
@@ -173,18 +168,18 @@ def _optim_targets(
 ) -> tuple[dict[str, Any], list[str]]:
     """Buffers for the saved optimizer state, sharded like the matching parameters."""
     params = {}
-    names = _state.param_fqns(model)
+    names = _fqn_state.param_fqns(model)
     for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
         params[names[raw]] = param
     target: dict[str, Any] = {}
     unexpected = set()
-    for key, path in _paths_of(metadata, "optim").items():
+    for key, path in section_paths(metadata, "optim").items():
         entry = metadata.state_dict_metadata[key]
+        value = None
         if len(path) >= 3 and path[1] == "state":
-            fqn = path[2]
-            param = params.get(fqn)
+            param = params.get(path[2])
             if param is None:
-                unexpected.add(fqn)
+                unexpected.add(path[2])
                 continue
             if isinstance(entry, TensorStorageMetadata):
                 dtype = entry.properties.dtype
@@ -192,10 +187,6 @@ def _optim_targets(
                     value = torch.empty_like(param, dtype=dtype)
                 else:
                     value = torch.empty(tuple(entry.size), dtype=dtype)
-            else:
-                value = None
-        else:
-            value = None
         set_element(target, path[1:], value)
     if unexpected and strict:
         raise IncompatibleCheckpointError(
@@ -211,7 +202,7 @@ def _optim_targets(
 def _check_param_groups(
     model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]
 ) -> None:
-    expected = _state.optimizer_param_groups(model, optimizer)
+    expected = _fqn_state.optimizer_param_groups(model, optimizer)
     got = [list(g.get("params", [])) for g in loaded.get("param_groups", [])]
     if [sorted(g) for g in got] != [sorted(g) for g in expected]:
         raise IncompatibleCheckpointError(
@@ -220,7 +211,7 @@ def _check_param_groups(
         )
 
 
-def _unwrap_dcp_error(exc: BaseException) -> BaseException:
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
     """DCP reports per-rank failures as ``(exception, traceback)`` pairs inside a
     ``CheckpointException`` (a ``BaseException``): surface ours, wrap the others."""
     if isinstance(exc, CheckpointException):
@@ -239,87 +230,155 @@ def _unwrap_dcp_error(exc: BaseException) -> BaseException:
     return exc
 
 
+@dataclass
+class _Targets:
+    """The buffers one load reads into, and what it found missing or unexpected."""
+
+    state: dict[str, Any]
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _targets(
+    folder: Path,
+    manifest: _manifest.Manifest,
+    metadata: Metadata,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    objects: Mapping[str, _stateful.Stateful],
+    *,
+    strict: bool,
+    ranks: Ranks,
+) -> _Targets:
+    model_target, missing, unexpected = _model_targets(model, metadata, strict)
+    state: dict[str, Any] = {"model": model_target}
+    if optimizer is not None:
+        if not manifest.has_optimizer:
+            if strict:
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {folder} holds no optimizer state (saved without an "
+                    "optimizer); load with optimizer=None or strict=False",
+                    missing_keys=["optim"],
+                )
+            missing = [*missing, "optim"]
+        else:
+            state["optim"], optim_unexpected = _optim_targets(model, metadata, strict)
+            unexpected = [*unexpected, *optim_unexpected]
+    stateful_target, stateful_missing = _stateful.load_targets(
+        objects,
+        manifest.stateful,
+        metadata,
+        saved_world_size=manifest.world_size,
+        ranks=ranks,
+        strict=strict,
+    )
+    state.update(stateful_target)
+    return _Targets(state, [*missing, *stateful_missing], unexpected)
+
+
+def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank; a CheckpointError on any rank raises on all."""
+    result, error = None, None
+    try:
+        result = fn()
+    except CheckpointError as exc:
+        error = exc
+    ranks.agree(error)
+    return result  # type: ignore[return-value]
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    stateful: Mapping[str, _stateful.Stateful] | None = None,
     strict: bool = True,
     verify: bool = True,
 ) -> LoadReport:
-    """Load the checkpoint folder ``path`` into ``model`` (and ``optimizer``); collective.
+    """Load the checkpoint folder ``path`` into ``model`` (and ``optimizer``, and the
+    ``stateful`` objects); collective.
 
     Every rank of the default process group calls it. The checkpoint may come from any
-    world size. ``strict=True``: any missing/unexpected key raises
-    :class:`IncompatibleCheckpointError` listing them; ``strict=False``: the common keys
-    are loaded and the rest is reported in the returned :class:`LoadReport`. Shape
-    mismatches always raise. ``verify=True`` checks every file's SHA-256 first (split
-    across ranks); ``verify=False`` checks sizes only. Nothing is written into the
-    model/optimizer unless every check and every read succeeded.
+    world size. ``strict=True``: any missing/unexpected model key, or a ``stateful`` name
+    the checkpoint lacks, raises :class:`IncompatibleCheckpointError` listing them;
+    ``strict=False``: the common part is loaded and the rest is reported in the returned
+    :class:`LoadReport` (objects without saved state are left as they are). Shape
+    mismatches and a Stateful saved per rank but loaded into a global one (or the reverse)
+    always raise. Saved Stateful objects not named in ``stateful`` are not read.
+    Resharding: a global Stateful gets its one saved state on every rank; a per-rank one
+    (:class:`PerRankStateful`) gets rank ``r``'s saved state at the same world size and
+    ``reshard_state(saved_states, rank, world_size)`` at another. ``verify=True`` checks
+    every file's SHA-256 first (split across ranks); ``verify=False`` checks sizes only.
+    Nothing is written into the model, optimizer or Stateful objects unless every check
+    and every read succeeded. A running :func:`async_save` of this process is waited for
+    first.
     """
-    wait_for_pending_save()
+    objects = _stateful.check_stateful(stateful)
     started = time.monotonic()
     ranks = Ranks()
+    INFLIGHT.make_room("wait", ranks)
     folder = Path(path).absolute()
-    try:
-        manifest, metadata = _check_folder(folder)
-        extra = _manifest.read_extra(folder)
-        error = None
-    except CheckpointError as exc:
-        manifest, metadata, extra, error = None, None, {}, exc
-    ranks.agree(error)
-    assert manifest is not None and metadata is not None
-    _verify_files(folder, manifest, metadata, ranks, verify)
-
+    found = _agreed(ranks, lambda: (*check_folder(folder), _manifest.read_extra(folder)))
+    manifest, metadata, extra = found
+    logger.info(
+        "load %s: step %s, saved by %d ranks (%d files, stateful %s); loading on %d ranks%s",
+        folder,
+        manifest.step,
+        manifest.world_size,
+        len(manifest.files),
+        sorted(manifest.stateful),
+        ranks.size,
+        " (resharding)" if manifest.world_size != ranks.size else "",
+    )
+    verify_files(folder, manifest, metadata, ranks, verify)
+    targets = _agreed(
+        ranks,
+        lambda: _targets(
+            folder, manifest, metadata, model, optimizer, objects, strict=strict, ranks=ranks
+        ),
+    )
+    read_started = time.monotonic()
     error = None
     try:
-        model_target, missing, unexpected = _model_targets(model, metadata, strict)
-        target: dict[str, Any] = {"model": model_target}
-        if optimizer is not None:
-            if not manifest.has_optimizer:
-                if strict:
-                    raise IncompatibleCheckpointError(
-                        f"checkpoint {folder} holds no optimizer state (saved without an "
-                        "optimizer); load with optimizer=None or strict=False",
-                        missing_keys=["optim"],
-                    )
-                missing = [*missing, "optim"]
-            else:
-                optim_target, optim_unexpected = _optim_targets(model, metadata, strict)
-                unexpected = [*unexpected, *optim_unexpected]
-                target["optim"] = optim_target
-    except CheckpointError as exc:
-        error = exc
-    ranks.agree(error)
-
-    error = None
-    try:
-        safe_load(target, folder, no_dist=not ranks.distributed)
+        safe_load(targets.state, folder, no_dist=not ranks.distributed)
     except (Exception, CheckpointException) as exc:
-        error = _unwrap_dcp_error(exc)
+        error = unwrap_dcp_error(exc)
     ranks.agree(error if isinstance(error, CheckpointError) else None)
     if error is not None:
         raise error
-
+    logger.info("rank %d read its buffers in %.3fs", ranks.rank, time.monotonic() - read_started)
+    if "optim" in targets.state:
+        _agreed(ranks, lambda: _check_param_groups(model, optimizer, targets.state["optim"]))
+    states = _agreed(
+        ranks,
+        lambda: _stateful.states_to_apply(
+            objects, targets.state, saved_world_size=manifest.world_size, ranks=ranks
+        ),
+    )
     error = None
-    if "optim" in target:
+    for name, state in states.items():
         try:
-            _check_param_groups(model, optimizer, target["optim"])
-        except CheckpointError as exc:
-            error = exc
+            objects[name].load_state_dict(state)
+        except Exception as exc:
+            error = CheckpointError(
+                f"stateful[{name!r}].load_state_dict failed: {type(exc).__name__}: {exc}"
+            )
+            break
     ranks.agree(error)
 
-    _state.apply_model_state(model, target["model"], strict=False)
-    if "optim" in target:
-        _state.apply_optimizer_state(model, optimizer, target["optim"])
+    _fqn_state.apply_model_state(model, targets.state["model"], strict=False)
+    if "optim" in targets.state:
+        _fqn_state.apply_optimizer_state(model, optimizer, targets.state["optim"])
     return LoadReport(
         path=str(folder),
         step=manifest.step,
         saved_world_size=manifest.world_size,
         world_size=ranks.size,
-        loaded_optimizer="optim" in target,
-        missing_keys=list(missing),
-        unexpected_keys=list(unexpected),
+        loaded_optimizer="optim" in targets.state,
+        missing_keys=list(targets.missing),
+        unexpected_keys=list(targets.unexpected),
         extra=extra,
         seconds=time.monotonic() - started,
+        loaded_stateful=sorted(states),
     )

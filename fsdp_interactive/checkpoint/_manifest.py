@@ -4,7 +4,9 @@ A published checkpoint folder holds DCP's files (``.metadata``, ``__<rank>_<n>.d
 plus two JSON files written last, by rank 0:
 
 * ``manifest.json``: format version, step, world size at save time, UTC time, whether an
-  optimizer is included, and every data file's size and SHA-256;
+  optimizer is included, the saved Stateful objects (name -> ``"global"`` or
+  ``"per_rank"``; absent in checkpoints saved without any), and every data file's size
+  and SHA-256;
 * ``extra.json``: the caller's ``extra`` mapping (JSON, never pickle).
 
 A folder without a readable manifest is not listed as a checkpoint. Nothing here
@@ -17,8 +19,10 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +68,31 @@ class Manifest:
     created_utc: str
     has_optimizer: bool
     files: dict[str, FileRecord] = field(default_factory=dict)
+    stateful: dict[str, str] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def now(
+        cls,
+        *,
+        step: int | None,
+        world_size: int,
+        has_optimizer: bool,
+        files: dict[str, FileRecord],
+        stateful: dict[str, str],
+    ) -> Manifest:
+        """A manifest stamped with the current time."""
+        created = time.time()
+        return cls(
+            step=step,
+            world_size=world_size,
+            created_unix=created,
+            created_utc=datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="seconds"),
+            has_optimizer=has_optimizer,
+            files=files,
+            stateful=stateful,
+        )
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -84,6 +111,7 @@ class Manifest:
                 for name, rec in data["files"].items()
             }
             step = data["step"]
+            stateful = {str(k): str(v) for k, v in data.get("stateful", {}).items()}
             return cls(
                 step=None if step is None else int(step),
                 world_size=int(data["world_size"]),
@@ -91,6 +119,7 @@ class Manifest:
                 created_utc=str(data["created_utc"]),
                 has_optimizer=bool(data["has_optimizer"]),
                 files=files,
+                stateful=stateful,
             )
         except Exception as exc:
             raise CorruptCheckpointError(
@@ -139,8 +168,11 @@ def hash_file(path: Path) -> FileRecord:
     return FileRecord(size=size, sha256=digest.hexdigest())
 
 
-def verify_file(folder: Path, name: str, expected: FileRecord) -> str | None:
-    """Check one file against its manifest record; an error message or ``None``."""
+def verify_file(
+    folder: Path, name: str, expected: FileRecord, *, checksum: bool = True
+) -> str | None:
+    """Check one file's size (and, with ``checksum``, its SHA-256) against its manifest
+    record; an error message or ``None``."""
     path = folder / name
     try:
         size = path.stat().st_size
@@ -148,7 +180,7 @@ def verify_file(folder: Path, name: str, expected: FileRecord) -> str | None:
         return f"{path}: file is missing"
     if size != expected.size:
         return f"{path}: file is {size} bytes, the manifest says {expected.size} (truncated or altered)"
-    if hash_file(path).sha256 != expected.sha256:
+    if checksum and hash_file(path).sha256 != expected.sha256:
         return f"{path}: checksum mismatch (file corrupted or altered)"
     return None
 

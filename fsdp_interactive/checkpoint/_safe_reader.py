@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -41,7 +40,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fsdp_interactive.checkpoint._collective import single_process_quietly
+from fsdp_interactive._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, set_element
+from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 METADATA_FILE = ".metadata"
@@ -54,9 +54,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     if not _ALLOWED_GLOBALS:
         import pathlib
 
-        import torch.distributed.checkpoint.filesystem as dcp_fs
         import torch.distributed.checkpoint.metadata as dcp_md
-        import torch.serialization
 
         for name in (
             "Metadata",
@@ -66,15 +64,11 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             "TensorProperties",
             "MetadataIndex",
             "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
         ):
             if hasattr(dcp_md, name):
                 _ALLOWED_GLOBALS[(_DCP_METADATA_MODULE, name)] = getattr(dcp_md, name)
-        _ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = (
-            dcp_fs._StorageInfo
-        )
+        _ALLOWED_GLOBALS.update(DCP_METADATA_PRIVATE_GLOBALS)
         _ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
-        _ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
         for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
             _ALLOWED_GLOBALS[("pathlib", name)] = getattr(pathlib, name)
         _ALLOWED_GLOBALS[("collections", "OrderedDict")] = __import__("collections").OrderedDict
@@ -141,6 +135,21 @@ def _validate_metadata(metadata: Any, path: Path) -> None:
             value = getattr(info, field, None)
             if not isinstance(value, int) or value < 0:
                 raise bad(f"storage extent {field}={value!r} for {rel!r}")
+
+
+def section_paths(metadata: Metadata, section: str) -> dict[str, tuple]:
+    """Flattened DCP key -> object path (a tuple of keys) of the entries under ``section``
+    (the top-level key of the saved state dict: "model", "optim", ...)."""
+    mapping = getattr(metadata, "planner_data", None) or {}
+    out = {}
+    for key in metadata.state_dict_metadata:
+        path = mapping.get(key)
+        if path is None:
+            head, _, rest = key.partition(".")
+            path = (head, rest)
+        if path and path[0] == section:
+            out[key] = tuple(path)
+    return out
 
 
 def storage_extents(metadata: Metadata) -> dict[str, int]:

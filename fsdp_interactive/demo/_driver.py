@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.demo import _rank_job
 from fsdp_interactive.demo._config import DemoConfig
 from fsdp_interactive.demo._report import shallow_modules, write_report
-from fsdp_interactive.inspect import GradNorms, ModelLayout, merge_layouts
-from fsdp_interactive.notebook._format import human_bytes, text_table
+from fsdp_interactive.demo._result import DemoResult
+from fsdp_interactive.inspect import ModelLayout, merge_layouts
 
 _BAR_WIDTH = 30
-
-
-@dataclass
-class DemoResult:
-    """Everything the demo measured; ``report_png`` and ``checkpoint`` are paths."""
-
-    world_size: int
-    param_count: int
-    losses: list[float] = field(default_factory=list)
-    layout: ModelLayout | None = None
-    grad_norms: GradNorms | None = None
-    checkpoint: str = ""
-    checkpoint_bytes: int = 0
-    report_png: str = ""
-    seconds: float = 0.0
 
 
 def _progress(out: TextIO, done: int, total: int, loss: float, started: float) -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
+from fsdp_interactive.demo._result import DemoResult
 from fsdp_interactive.notebook.plots import rank_color
-
-if TYPE_CHECKING:
-    from fsdp_interactive.demo._driver import DemoResult
 
 _MIB = 1024 * 1024
 

@@ -61,7 +61,11 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens) + self.pos[:seq]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        # nn.Linear returns a 3-D input's logits as a view of its 2-D product. A view is a
+        # poor module output under FSDP: an in-place edit of it by the caller would drop the
+        # backward hook that all-gathers the parameters again. The copy owns its storage
+        # and holds the same values.
+        return self.head(self.norm(x)).clone()
 
 
 def synthetic_batch(

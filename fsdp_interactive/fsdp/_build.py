@@ -20,6 +20,7 @@ import logging
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision, fully_shard
 
+from fsdp_interactive._torch_compat import buffer_slots
 from fsdp_interactive.fsdp import _init, _state_dict_utils
 from fsdp_interactive.fsdp._config import UnitConfig
 from fsdp_interactive.fsdp._traversal import owned_modules
@@ -77,7 +78,7 @@ def _cast_buffers(owned: list[nn.Module], mp: MixedPrecision | None) -> None:
     if mp is None or mp.buffer_dtype is None:
         return
     for module in owned:
-        for name, buf in module._buffers.items():
+        for name, buf in buffer_slots(module).items():
             if buf is None or not buf.is_floating_point() or buf.dtype == mp.buffer_dtype:
                 continue
-            module._buffers[name] = buf.to(mp.buffer_dtype)
+            buffer_slots(module)[name] = buf.to(mp.buffer_dtype)

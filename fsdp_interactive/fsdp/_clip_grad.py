@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_interactive.fsdp._torch_internals import local_tensor
+from fsdp_interactive._torch_compat import local_tensor
 from fsdp_interactive.fsdp._unit_state import require_state
 
 

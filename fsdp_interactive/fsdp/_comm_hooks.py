@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.api import ShardingStrategy
 
-from fsdp_interactive.fsdp._mesh import HYBRID_STRATEGIES
-from fsdp_interactive.fsdp._torch_internals import (
+from fsdp_interactive._torch_compat import (
     ReduceScatter,
     default_hooks,
     has_sharded_params,
     reduce_over_shard_dim_only,
 )
+from fsdp_interactive.fsdp._mesh import HYBRID_STRATEGIES
 from fsdp_interactive.fsdp._traversal import check_idle, unit_states
 from fsdp_interactive.fsdp._unit_state import require_state
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.fsdp._torch_internals import map_tree
+from fsdp_interactive._torch_compat import map_tree
 from fsdp_interactive.fsdp._traversal import unit_states
 from fsdp_interactive.fsdp._unit_state import UnitState
 

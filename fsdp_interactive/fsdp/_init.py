@@ -36,7 +36,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_interactive.fsdp._torch_internals import flatten_dense_tensors, unflatten_dense_tensors
+from fsdp_interactive._torch_compat import (
+    flatten_dense_tensors,
+    parameter_slots,
+    unflatten_dense_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +161,7 @@ def _shared_parameter_slots(modules: list[nn.Module]) -> list[list[tuple[nn.Modu
     """(module, name) slots of every parameter held by more than one of ``modules``."""
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in modules:
-        for name, param in module._parameters.items():
+        for name, param in parameter_slots(module).items():
             if param is not None:
                 slots.setdefault(id(param), []).append((module, name))
     return [group for group in slots.values() if len(group) > 1]
@@ -166,11 +170,11 @@ def _shared_parameter_slots(modules: list[nn.Module]) -> list[list[tuple[nn.Modu
 def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
     """Make each group of slots hold one parameter again: its first slot's."""
     for (first_module, first_name), *others in shared:
-        param = first_module._parameters[first_name]
+        param = parameter_slots(first_module)[first_name]
         for module, name in others:
-            if module._parameters[name] is not param:
+            if parameter_slots(module)[name] is not param:
                 logger.debug("re-tying %s.%s to its shared parameter", type(module).__name__, name)
-                module._parameters[name] = param
+                parameter_slots(module)[name] = param
 
 
 def release_freed_memory() -> bool:

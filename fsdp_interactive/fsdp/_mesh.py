@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.api import ShardingStrategy
 
 from fsdp_interactive._background_groups import once_per_default_group
-from fsdp_interactive.fsdp._torch_internals import HYBRID_SHARD_ZERO2
+from fsdp_interactive._torch_compat import HYBRID_SHARD_ZERO2
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2)
 MESH_DIM_NAMES = ("replicate", "shard")

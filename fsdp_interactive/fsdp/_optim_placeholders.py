@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from fsdp_interactive.fsdp._torch_internals import version_counter
+from fsdp_interactive._torch_compat import version_counter
 
 # id(tensor) -> (weak reference to it, version counter when it was handed out).
 _PLACEHOLDERS: dict[int, tuple[weakref.ref, int]] = {}

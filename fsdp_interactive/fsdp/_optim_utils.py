@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_interactive.checkpoint import _state
-from fsdp_interactive.checkpoint._collective import Ranks
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.fsdp import _fqn_state as _state
 from fsdp_interactive.fsdp import _optim_placeholders
 from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
 from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type, has_chosen_type

@@ -21,18 +21,11 @@ from typing import Any
 
 from torch import nn
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
+from fsdp_interactive._torch_compat import (
+    MODULE_HOOK_DICTS,
+    buffer_slots,
+    parameter_slots,
+    submodule_slots,
 )
 
 
@@ -55,12 +48,12 @@ class TreeSnapshot:
             self._records[module] = _ModuleRecord(
                 cls=module.__class__,
                 attrs=dict(module.__dict__),
-                params=OrderedDict(module._parameters),
-                buffers=OrderedDict(module._buffers),
-                children=OrderedDict(module._modules),
+                params=OrderedDict(parameter_slots(module)),
+                buffers=OrderedDict(buffer_slots(module)),
+                children=OrderedDict(submodule_slots(module)),
                 hooks={
                     name: OrderedDict(getattr(module, name))
-                    for name in _HOOK_DICTS
+                    for name in MODULE_HOOK_DICTS
                     if isinstance(getattr(module, name, None), dict)
                 },
             )
@@ -73,12 +66,11 @@ class TreeSnapshot:
                 if name not in record.attrs:
                     del module.__dict__[name]
             module.__dict__.update(record.attrs)
-            for attr, saved in (
-                ("_parameters", record.params),
-                ("_buffers", record.buffers),
-                ("_modules", record.children),
+            for current, saved in (
+                (parameter_slots(module), record.params),
+                (buffer_slots(module), record.buffers),
+                (submodule_slots(module), record.children),
             ):
-                current = getattr(module, attr)
                 current.clear()
                 current.update(saved)
             for name, saved in record.hooks.items():

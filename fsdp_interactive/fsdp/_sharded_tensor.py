@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.fsdp._torch_internals import (
+from fsdp_interactive._torch_compat import (
     ShardedTensor,
     local_shape_and_offset,
     sharded_tensor_group,

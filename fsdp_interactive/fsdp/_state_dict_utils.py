@@ -48,7 +48,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_interactive.checkpoint._state import hooks_suspended
+from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, buffer_slots, parameter_slots
+from fsdp_interactive.fsdp._raw_state_dict import hooks_suspended
 from fsdp_interactive.fsdp._sharded_tensor import (
     is_sharded_tensor,
     local_as_dtensor_like,
@@ -218,7 +219,7 @@ def install_state_dict_hooks(module: nn.Module, *, fsdp1_default: bool = True) -
             if getattr(unit, _SETTINGS, None) is None:
                 setattr(unit, _SETTINGS, default_settings())
     for sub in module.modules():
-        modifiers = getattr(sub, "_fqn_modifiers", None)
+        modifiers = getattr(sub, FQN_MODIFIERS_METHOD, None)
         if callable(modifiers) and not getattr(sub, _PREFIX_HOOKED, False):
             sub.register_load_state_dict_pre_hook(_add_hidden_prefix)
             sub.register_load_state_dict_post_hook(_clean_incompatible_keys)
@@ -229,14 +230,14 @@ def install_state_dict_hooks(module: nn.Module, *, fsdp1_default: bool = True) -
             setattr(sub, _HOOKED, True)
     # Prefix stripping on save must run after the units' value hooks: register last.
     for sub in module.modules():
-        modifiers = getattr(sub, "_fqn_modifiers", None)
+        modifiers = getattr(sub, FQN_MODIFIERS_METHOD, None)
         if callable(modifiers) and getattr(sub, _PREFIX_HOOKED, False) is True:
             sub.register_state_dict_post_hook(_strip_hidden_prefix)
             setattr(sub, _PREFIX_HOOKED, "both")
 
 
 def _hidden(module: nn.Module) -> list[str]:
-    return sorted(set(module._fqn_modifiers().values()))  # type: ignore[operator]
+    return sorted(set(getattr(module, FQN_MODIFIERS_METHOD)().values()))
 
 
 def _strip_hidden_prefix(module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
@@ -254,8 +255,8 @@ def _add_hidden_prefix(module: nn.Module, state_dict: dict, prefix: str, *_: Any
     if len(hidden) != 1:
         return
     inner = f"{prefix}{hidden[0]}."
-    own = {f"{prefix}{n}" for n in module._parameters}
-    own |= {f"{prefix}{n}" for n in module._buffers}
+    own = {f"{prefix}{n}" for n in parameter_slots(module)}
+    own |= {f"{prefix}{n}" for n in buffer_slots(module)}
     renames = getattr(_renames, "map", None)
     if renames is None:
         renames = _renames.map = {}

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.fsdp._torch_internals import local_shape_and_offset, local_tensor
+from fsdp_interactive._torch_compat import local_shape_and_offset, local_tensor, parameter_slots
 from fsdp_interactive.fsdp._traversal import check_idle, owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
 
@@ -123,7 +123,7 @@ def sharded_slots(modules: Sequence[nn.Module]) -> list[_Swap]:
     """Every (module, name) slot in ``modules`` that holds a DTensor parameter."""
     slots = []
     for module in modules:
-        for name, param in module._parameters.items():
+        for name, param in parameter_slots(module).items():
             if isinstance(param, DTensor):
                 slots.append(_Swap(module, name, param))
     return slots
@@ -210,14 +210,14 @@ def summon_units(
                     _gather_grads(record.swaps, group)
                 if keep_full:
                     for slot in record.swaps:
-                        slot.module._parameters[slot.name] = slot.full
+                        parameter_slots(slot.module)[slot.name] = slot.full
         yield
     finally:
         with torch.no_grad():
             written: set[int] = set()
             for record in reversed(done):
                 for slot in record.swaps:
-                    current = slot.module._parameters.get(slot.name)
+                    current = parameter_slots(slot.module).get(slot.name)
                     if (
                         writeback
                         and keep_full
@@ -234,4 +234,4 @@ def summon_units(
                         local = local_tensor(slot.sharded)
                         local.copy_(local_slice(current.detach(), slot.sharded).to(local.device))
                         written.add(id(slot.sharded))
-                    slot.module._parameters[slot.name] = slot.sharded
+                    parameter_slots(slot.module)[slot.name] = slot.sharded

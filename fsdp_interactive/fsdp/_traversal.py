@@ -10,7 +10,7 @@ import collections
 
 from torch import nn
 
-from fsdp_interactive.fsdp._torch_internals import training_state_name
+from fsdp_interactive._torch_compat import training_state_name
 from fsdp_interactive.fsdp._unit_state import UnitState, is_unit, unit_state
 
 

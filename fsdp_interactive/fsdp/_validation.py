@@ -21,7 +21,7 @@ from torch.distributed.fsdp.api import (
     ShardingStrategy,
 )
 
-from fsdp_interactive.fsdp._torch_internals import Policy
+from fsdp_interactive._torch_compat import Policy
 from fsdp_interactive.fsdp._unit_state import IgnoredStates, is_unit
 
 

@@ -35,13 +35,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp.api import MixedPrecision
 
-from fsdp_interactive.fsdp._torch_internals import (
+from fsdp_interactive._torch_compat import (
     Policy,
     module_classes_without_mixed_precision,
     or_policy,
     override_module_mixed_precision,
     run_mixed_precision_override_policy,
     run_policy,
+    submodule_slots,
     warn_on_overridden_mixed_precision,
     wrap_module_cls_individually,
 )
@@ -166,6 +167,6 @@ def wrap_bottom_up(
             visit(child, f"{prefix}{name}.")
             if child in targets:
                 logger.debug("auto-wrap: %r (%s) is a unit", prefix + name, type(child).__name__)
-                module._modules[name] = wrap_fn(child, targets[child])
+                submodule_slots(module)[name] = wrap_fn(child, targets[child])
 
     visit(root, "")

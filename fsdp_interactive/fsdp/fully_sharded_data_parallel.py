@@ -53,6 +53,16 @@ from torch.distributed.fsdp.api import (
     ShardingStrategy,
 )
 
+from fsdp_interactive._torch_compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    EXTRA_STATE_KEY_SUFFIX,
+    ActivationWrapper,
+    Policy,
+    buffer_slots,
+    move_own_states,
+    parameter_slots,
+    submodule_slots,
+)
 from fsdp_interactive.fsdp import _init, _optim_utils, _state_dict_utils, _summon
 from fsdp_interactive.fsdp._build import setup_unit
 from fsdp_interactive.fsdp._clip_grad import clip_grad_norm
@@ -68,13 +78,6 @@ from fsdp_interactive.fsdp._config import (
 )
 from fsdp_interactive.fsdp._forward import unit_forward
 from fsdp_interactive.fsdp._rollback import TreeSnapshot
-from fsdp_interactive.fsdp._torch_internals import (
-    CHECKPOINT_WRAPPED_MODULE,
-    EXTRA_STATE_KEY_SUFFIX,
-    ActivationWrapper,
-    Policy,
-    move_own_states,
-)
 from fsdp_interactive.fsdp._traversal import check_idle, root_units, unit_states, units
 from fsdp_interactive.fsdp._unit_state import IgnoredStates, UnitState, require_state
 from fsdp_interactive.fsdp._validation import check_types, resolve_ignored
@@ -226,7 +229,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get(FSDP_WRAPPED_MODULE)
+            inner = submodule_slots(self).get(FSDP_WRAPPED_MODULE)
             if inner is None:
                 raise
             return getattr(inner, name)
@@ -243,9 +246,9 @@ class FullyShardedDataParallel(nn.Module):
         """
         inner = self._fsdp_wrapped_module
         names = [
-            *inner._modules,
-            *inner._parameters,
-            *inner._buffers,
+            *submodule_slots(inner),
+            *parameter_slots(inner),
+            *buffer_slots(inner),
             EXTRA_STATE_KEY_SUFFIX,
         ]
         return dict.fromkeys(names, FSDP_WRAPPED_MODULE)

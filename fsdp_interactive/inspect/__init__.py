@@ -1,8 +1,8 @@
 """Rank-side probes: what the ranks hold, as plain data.
 
 Every probe runs on the ranks (through ``Pool.call`` or directly in training code) and
-returns small dataclasses from :mod:`fsdp_interactive.inspect._records` that the notebook
-side renders.  Nothing here imports IPython, ipywidgets or matplotlib.
+returns small dataclasses (exported here) that the notebook side renders.  Nothing here
+imports IPython, ipywidgets or matplotlib.
 
 * ``layout(model, optimizer=None)`` -> ``RankLayout`` (no communication); merge the
   per-rank answers with ``merge_layouts``.
@@ -10,14 +10,15 @@ side renders.  Nothing here imports IPython, ipywidgets or matplotlib.
 * ``summon_stats(model, fqn)`` -> ``TensorStats``; ``edit_param(model, fqn, expression)``
   writes an edited full parameter back (collectives over the mesh).
 * ``memory()`` -> ``MemoryStats`` (no communication).
-* ``plain_copy(value, max_bytes)``: a CPU copy of a (D)Tensor for the kernel, size-limited.
+* ``plain_copy(value, max_bytes)``: a CPU copy of a (D)Tensor for the kernel, size-limited;
+  its ``ValueError`` for a value over the limit contains ``TOO_LARGE``.
 * ``GradNormRecorder(model)``: per-step norms from a training loop.
 """
 
 from fsdp_interactive.inspect._grad_norms import grad_norms
 from fsdp_interactive.inspect._layout import layout
 from fsdp_interactive.inspect._memory import memory
-from fsdp_interactive.inspect._pull import plain_copy
+from fsdp_interactive.inspect._pull import TOO_LARGE, plain_copy
 from fsdp_interactive.inspect._recorder import GradNormRecorder
 from fsdp_interactive.inspect._records import (
     GradNormRecord,
@@ -37,6 +38,7 @@ from fsdp_interactive.inspect._records import (
 from fsdp_interactive.inspect._summon import edit_param, summon_stats
 
 __all__ = [
+    "TOO_LARGE",
     "GradNormRecord",
     "GradNormRecorder",
     "GradNorms",

@@ -1,7 +1,7 @@
 """Small DTensor helpers shared by the probes (rank side).
 
 What reads torch internals (a DTensor's local shard, the local shape at a mesh coordinate,
-``fully_shard``'s padding) comes from :mod:`fsdp_interactive.fsdp._torch_internals`.
+``fully_shard``'s padding) comes from :mod:`fsdp_interactive._torch_compat`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from fsdp_interactive.fsdp import _torch_internals
+from fsdp_interactive import _torch_compat
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores (a DTensor's local shard, a plain tensor itself), detached."""
-    return _torch_internals.local_tensor(tensor).detach()
+    return _torch_compat.local_tensor(tensor).detach()
 
 
 def world() -> tuple[int, int]:

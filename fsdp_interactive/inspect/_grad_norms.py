@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_interactive.fsdp._torch_internals import foreach_norm
+from fsdp_interactive._torch_compat import foreach_norm
 from fsdp_interactive.inspect._dtensor import (
     comm_device,
     local_tensor,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.fsdp._torch_internals import local_shape_and_offset, padded_shard_numels
+from fsdp_interactive._torch_compat import local_shape_and_offset, padded_shard_numels
 from fsdp_interactive.inspect._dtensor import local_tensor, named_parameters, world
 from fsdp_interactive.inspect._records import ParamLayout, RankLayout, ShardSlice
 

@@ -22,7 +22,7 @@ from typing import Any
 
 _LAZY = {
     "current_pool": "fsdp_interactive.notebook.magics",
-    "RankModel": "fsdp_interactive.notebook._remote",
+    "RankModel": "fsdp_interactive.notebook.rank_model",
     "LayoutView": "fsdp_interactive.notebook.layout_view",
     "SummonPanel": "fsdp_interactive.notebook.summon_panel",
     "GradNormView": "fsdp_interactive.notebook.grad_norm_view",

@@ -1,51 +1,15 @@
-"""Text and HTML building blocks shared by every view (notebook side, no widgets)."""
+"""HTML tables and inline figures shared by every view (notebook side, no widgets).
+
+Plain-text building blocks live in :mod:`fsdp_interactive._text`.
+"""
 
 from __future__ import annotations
 
 import base64
 import html
 import io
-import math
 from collections.abc import Sequence
 from typing import Any
-
-
-def human_bytes(n: int | float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"-"``."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def number(value: float | None, digits: int = 4) -> str:
-    """Compact float text that keeps NaN/Inf visible."""
-    if value is None:
-        return "-"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return f"{value:.{digits}g}"
-
-
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain fixed-width table (right-aligned numbers, left-aligned text)."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
-
-    out = [line(headers), line(["-" * w for w in widths])]
-    out.extend(line(row) for row in cells)
-    return "\n".join(out)
-
 
 _CELL = "padding:1px 10px;text-align:left"
 

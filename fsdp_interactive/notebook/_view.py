@@ -32,6 +32,7 @@ class View:
     """
 
     _widget: Any = None
+    _error: Any = None  # an ErrorNote while the last click failed
 
     def text(self) -> str:
         raise NotImplementedError
@@ -56,6 +57,32 @@ class View:
     def _changed(self) -> None:
         if self._widget is not None:
             self._update_widget()
+
+    def _error_box(self) -> Any:
+        """The widget that shows the last failed click's error (empty otherwise)."""
+        import ipywidgets as w
+
+        if getattr(self, "_error_html", None) is None:
+            self._error_html = w.HTML()
+        return self._error_html
+
+    def _clicked(self, action: Any, what: str = "") -> Any:
+        """A button callback running ``action()``; an error shows in :meth:`_error_box`,
+        exception line first, as a click has no caller to raise to."""
+        from fsdp_interactive.notebook._error_note import ErrorNote
+
+        def callback(*_: Any) -> None:
+            box = self._error_box()
+            try:
+                action()
+            except Exception as error:
+                self._error = ErrorNote.of(error)
+                box.value = self._error.html(f"{what} failed: " if what else "")
+            else:
+                self._error = None
+                box.value = ""
+
+        return callback
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         live = live_kernel()

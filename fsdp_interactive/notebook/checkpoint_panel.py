@@ -7,14 +7,17 @@ folder on rank 0's file system (the folder every rank writes to).
 
 from __future__ import annotations
 
+import html
 import shutil
 import time
 from datetime import datetime, timezone
 from typing import Any
 
-from fsdp_interactive.notebook._format import html_table, human_bytes, text_table
-from fsdp_interactive.notebook._remote import RankModel
+from fsdp_interactive._text import human_bytes, text_table
+from fsdp_interactive.notebook._error_note import ErrorNote
+from fsdp_interactive.notebook._format import html_table
 from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook.rank_model import RankModel
 
 _HANDLE = "_fsdp_interactive_save_handle"
 _HEADERS = ("name", "step", "saved by", "created (UTC)", "size", "optimizer")
@@ -40,6 +43,7 @@ class CheckpointPanel(View):
         self.keep_last = keep_last
         self.records: list[Any] = []
         self.status = ""
+        self.error: ErrorNote | None = None
         self.pending: str | None = None
         self._pending_started = 0.0
         self.refresh()
@@ -233,6 +237,9 @@ class CheckpointPanel(View):
         )
 
     def _click_save(self) -> None:
+        if self.pending is not None:
+            self._refuse(f"the background save of {self.pending!r} is still running; wait for it")
+            return
         name = self._name.value.strip() or None
         self.save(name=name, step=self._step.value, asynchronous=self._async.value)
         if self._async.value:
@@ -240,19 +247,37 @@ class CheckpointPanel(View):
                 time.sleep(0.2)
 
     def _click_delete(self) -> None:
-        self.delete(self._choice.value, confirm=self._confirm_delete.value)
+        name = self._choice.value
+        if name is None:
+            self._refuse("no checkpoint is selected")
+            return
+        if not self._confirm_delete.value:
+            self._refuse(f"tick 'yes, delete it' to delete {name!r}: it cannot be undone")
+            return
+        self.delete(name, confirm=True)
         self._confirm_delete.value = False
 
+    def _refuse(self, reason: str) -> None:
+        """Say in the panel why a click did nothing (in the panel's own words)."""
+        self.error = None
+        self.status = reason
+        self._changed()
+
     def _guard(self, action: Any) -> None:
+        self.error = None
         try:
             action()
         except Exception as error:  # shown in the panel, as a click has no caller to raise to
-            self.status = f"error: {error}"
+            self.error = ErrorNote.of(error)
+            self.status = self.error.text("error: ")
             self._changed()
 
     def _update_widget(self) -> None:
         self._table.value = html_table(_HEADERS, self._rows())
-        self._status.value = self.status
+        if self.error is not None:
+            self._status.value = self.error.html("error: ")
+        else:
+            self._status.value = html.escape(self.status)
         names = [r.name for r in self.records]
         if list(self._choice.options) != names:
             self._choice.options = names

@@ -5,14 +5,14 @@ from __future__ import annotations
 import html as html_lib
 from typing import Any
 
-from fsdp_interactive.inspect._records import MemoryStats
+from fsdp_interactive.inspect import MemoryStats
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.grad_norm_view import GradNormView
 from fsdp_interactive.notebook.layout_view import LayoutView
 from fsdp_interactive.notebook.monitor import GradNormMonitor
 from fsdp_interactive.notebook.plots import memory_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import (
     memory_html,
     memory_text,
@@ -95,13 +95,13 @@ class Dashboard(View):
         self._ranks = w.HTML()
         self._memory_image = png_image()
         self._refresh_button = w.Button(description="Refresh all", icon="refresh")
-        self._refresh_button.on_click(lambda _: self.refresh())
+        self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
         overview = w.VBox([self._ranks, self._memory_image])
         children = [overview] + [part.widget for _, part in self._parts()]
         tabs = w.Tab(children=children)
         for index, title in enumerate(["Ranks"] + [name for name, _ in self._parts()]):
             tabs.set_title(index, title)
-        return w.VBox([self._refresh_button, tabs])
+        return w.VBox([self._refresh_button, tabs, self._error_box()])
 
     def _update_widget(self) -> None:
         self._ranks.value = topology_html(self.source.topology()) + memory_html(self.memory)

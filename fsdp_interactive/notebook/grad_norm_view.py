@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_interactive.inspect._records import GradNorms
+from fsdp_interactive.inspect import GradNorms
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_bars
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text
 
 
@@ -63,14 +63,20 @@ class GradNormView(View):
         self._refresh_button = w.Button(
             description="Recompute", icon="refresh", disabled=self.source is None
         )
-        self._refresh_button.on_click(lambda _: self.refresh())
+        self._refresh_button.on_click(self._clicked(self.refresh, "recomputing"))
         self._toggle = w.ToggleButtons(options=["params", "modules"], value=self.by)
         self._toggle.observe(lambda change: self.show_by(change["new"]), names="value")
         self._total = w.HTML()
         self._table = w.HTML()
         self._image = png_image()
         return w.VBox(
-            [w.HBox([self._refresh_button, self._toggle]), self._total, self._image, self._table]
+            [
+                w.HBox([self._refresh_button, self._toggle]),
+                self._error_box(),
+                self._total,
+                self._image,
+                self._table,
+            ]
         )
 
     def _update_widget(self) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_interactive.inspect._records import ModelLayout
+from fsdp_interactive.inspect import ModelLayout
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import layout_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import layout_html, layout_text
 
 
@@ -48,8 +48,8 @@ class LayoutView(View):
         self._refresh_button = w.Button(
             description="Refresh", icon="refresh", disabled=self.source is None
         )
-        self._refresh_button.on_click(lambda _: self.refresh())
-        return w.VBox([self._refresh_button, self._table, self._image])
+        self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
+        return w.VBox([self._refresh_button, self._error_box(), self._table, self._image])
 
     def _update_widget(self) -> None:
         self._table.value = layout_html(self.data)

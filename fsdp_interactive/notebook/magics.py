@@ -27,7 +27,17 @@ from fsdp_interactive.notebook._cell_output import (
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
 _DEFAULT_PULL_LIMIT = 256 * 2**20
-_SUBCOMMANDS = ("start", "stop", "restart", "status", "interrupt", "push", "pull")
+_SUBCOMMANDS = (
+    "start",
+    "stop",
+    "restart",
+    "status",
+    "interrupt",
+    "push",
+    "pull",
+    "trace",
+    "debug",
+)
 
 _magics: FsdpMagics | None = None
 
@@ -68,22 +78,61 @@ def parse_targets(text: str, world_size: int) -> list[int] | None:
 
 
 def _rank_error_class() -> type:
-    from fsdp_interactive.pool import RankError
+    from fsdp_interactive.pool.errors import RankError
 
     return RankError
 
 
 def _pool_failures() -> tuple[type[BaseException], ...]:
-    from fsdp_interactive.pool import PoolError, RankDied, RankError, RankInterrupted, RankTimeout
+    from fsdp_interactive.pool.errors import (
+        PoolError,
+        RankDied,
+        RankError,
+        RankInterrupted,
+        RankTimeout,
+    )
 
     return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
 
 
-def _shown_as_message(error: BaseException) -> BaseException:
-    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames."""
-    text = f"{type(error).__name__}: {error}"
+def _shown_as_message(error: BaseException, out: str | None = None) -> BaseException:
+    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames.
+
+    Errors that name what to do next say it in magics here (``%fsdp restart``), not in
+    API calls; ``out`` is the name ``-o`` stored the error under.
+    """
+    message = error.notebook_message(out) if hasattr(error, "notebook_message") else str(error)
+    text = f"{type(error).__name__}: {message}"
     error._render_traceback_ = lambda: text.splitlines()  # type: ignore[attr-defined]
     return error
+
+
+def current_cell_number(shell: Any) -> int | None:
+    """The execution count the notebook shows for the cell being run.
+
+    IPython records it on the result of the running cell (``displayhook.exec_result``);
+    ``shell.execution_count`` alone is the current cell's number before IPython 9 and
+    the next one's from IPython 9 on.
+    """
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    if isinstance(number, int):
+        return number
+    count = getattr(shell, "execution_count", None)
+    return count if isinstance(count, int) else None
+
+
+def describe_value(value: Any) -> str:
+    """``Tensor (64, 32) float32``, ``dict (3 items)``, ``int 7``: what a pull brought."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    kind = type(value).__name__
+    if shape is not None and dtype is not None:
+        dims = tuple(int(d) for d in shape)
+        return f"{kind} {dims} {str(dtype).removeprefix('torch.')}"
+    if isinstance(value, dict | list | tuple | set):
+        return f"{kind} ({len(value)} items)"
+    text = repr(value)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 @magics_class
@@ -95,6 +144,7 @@ class FsdpMagics(Magics):
         self.pool: Any = None
         self.auto = False
         self._warned_subset = False
+        self._last_failed_rank = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -111,12 +161,18 @@ class FsdpMagics(Magics):
     def fsdp(self, line: str) -> Any:
         """Manage the rank pool.
 
-        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S]
+        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N]
         %fsdp stop | restart | status | interrupt
         %fsdp push NAME [NAME ...]              copy kernel variables to every rank
         %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
                                                 copy a rank value to the kernel; tensors (DTensor,
                                                 FSDP parameters) arrive as full CPU tensors
+        %fsdp trace [--last N] [--plot] [--issued-at]
+                                                every rank's recent collectives, and where the
+                                                ranks disagree (torch's flight recorder)
+        %fsdp debug [-r RANK] [COMMAND]         pdb on the last exception a %%fsdp cell raised
+                                                on RANK: run COMMAND (p x, up, where, ...), or
+                                                without one, a prompt until q
         """
         words = line.strip().split(None, 1)
         if not words:
@@ -127,7 +183,10 @@ class FsdpMagics(Magics):
                 f"unknown %fsdp command {command!r}; type one of: "
                 + ", ".join(f"%fsdp {c}" for c in _SUBCOMMANDS)
             )
-        return getattr(self, f"_fsdp_{command}")(rest)
+        try:
+            return getattr(self, f"_fsdp_{command}")(rest)
+        except _pool_failures() as error:
+            raise _shown_as_message(error) from None
 
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of ranks")
@@ -135,6 +194,19 @@ class FsdpMagics(Magics):
     @argument("--backend", choices=("gloo", "nccl"), default=None)
     @argument("--engines", default="local", help="ipyparallel launcher: local, ssh, slurm, mpi")
     @argument("--timeout", type=float, default=120.0, help="start-up timeout in seconds")
+    @argument("--log-level", choices=("debug", "info"), help="show the pool's log records")
+    @argument(
+        "--check-collectives",
+        action="store_true",
+        help="TORCH_DISTRIBUTED_DEBUG=DETAIL: a mismatched collective becomes an error",
+    )
+    @argument(
+        "--flight-recorder",
+        type=int,
+        default=None,
+        metavar="N",
+        help="collectives each rank remembers for %%fsdp trace (0: off; default 64)",
+    )
     def _fsdp_start(self, rest: str) -> None:
         """%fsdp start"""
         args = self._parse(self._fsdp_start, rest, "start")
@@ -164,6 +236,9 @@ class FsdpMagics(Magics):
                 backend=args.backend,
                 engines=args.engines,
                 timeout=args.timeout,
+                log_level=args.log_level,
+                check_collectives=args.check_collectives,
+                flight_recorder=args.flight_recorder,
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None
@@ -171,20 +246,27 @@ class FsdpMagics(Magics):
 
     def _fsdp_stop(self, rest: str) -> None:
         self._no_arguments("stop", rest)
+        ranks = self.pool.world_size if self.pool is not None else 0
         if self.pool is not None:
             self.pool.stop()
         self.pool = None
         self._set_auto(False)
+        print(f"stopped {ranks} ranks" if ranks else "no pool was running")
 
     def _fsdp_restart(self, rest: str) -> None:
         self._no_arguments("restart", rest)
         if self.pool is None:
             raise UsageError("no pool to restart; start one with %fsdp start -n 2")
         self.pool.restart()
+        print(
+            f"restarted: rank state discarded ({self.pool.world_size} fresh ranks; "
+            "define models and data on them again)"
+        )
 
     def _fsdp_interrupt(self, rest: str) -> None:
         self._no_arguments("interrupt", rest)
-        self._require_pool().interrupt()
+        report = self._require_pool().interrupt()
+        print("\n".join(report.lines(notebook=True)))
 
     def _fsdp_status(self, rest: str) -> None:
         self._no_arguments("status", rest)
@@ -213,6 +295,7 @@ class FsdpMagics(Magics):
                 "define it first (push sends kernel variables to the ranks)"
             )
         pool.push({n: self.shell.user_ns[n] for n in names})
+        print(f"pushed {', '.join(names)} to {pool.world_size} ranks")
 
     @magic_arguments()
     @argument("expr", help="name (or expression) of the value on the ranks")
@@ -249,7 +332,7 @@ class FsdpMagics(Magics):
             pool.run(code, stream=False)
             value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
         except _rank_error_class() as error:
-            from fsdp_interactive.inspect._pull import TOO_LARGE
+            from fsdp_interactive.inspect import TOO_LARGE
 
             messages = [message for _, message in error.errors.values()]
             if any(TOO_LARGE in m for m in messages):
@@ -270,6 +353,69 @@ class FsdpMagics(Magics):
             if pool.running:
                 pool.run(f"globals().pop({_PULL_SCRATCH!r}, None)", stream=False)
         self.shell.user_ns[target] = value
+        print(f"{target} <- {describe_value(value)}")
+
+    @magic_arguments()
+    @argument("--last", type=int, default=20, help="collectives per process group (default 20)")
+    @argument("--plot", action="store_true", help="draw the timeline instead of the table")
+    @argument(
+        "--issued-at",
+        action="store_true",
+        help="add the line that issued each collective (the first time: seconds, ~70 MB a rank)",
+    )
+    def _fsdp_trace(self, rest: str) -> None:
+        """%fsdp trace"""
+        args = self._parse(self._fsdp_trace, rest, "trace")
+        if args.last < 1:
+            raise UsageError(f"--last {args.last}: type a number of collectives >= 1")
+        trace = self._require_pool().trace(last=args.last, issued_at=args.issued_at)
+        if not args.plot:
+            print(trace)
+            return
+        from IPython.display import Image, display
+
+        from fsdp_interactive.notebook._format import figure_png
+        from fsdp_interactive.notebook.trace_plot import trace_figure
+
+        print("\n".join(trace.findings or ["the ranks agree on every recorded collective"]))
+        display(Image(figure_png(trace_figure(trace, last=args.last))))
+
+    def _fsdp_debug(self, rest: str) -> None:
+        """%fsdp debug [-r RANK] [COMMAND]: pdb on a rank's last failure."""
+        pool = self._require_pool()
+        words = rest.strip()
+        rank = self._last_failed_rank
+        if words.startswith(("-r", "--rank")):
+            option, _, words = words.partition(" ")
+            value, _, words = words.strip().partition(" ")
+            try:
+                rank = int(value)
+            except ValueError:
+                raise UsageError(
+                    f"%fsdp debug {option} {value!r}: type a rank number, e.g. %fsdp debug -r 1"
+                ) from None
+        if not 0 <= rank < pool.world_size:
+            raise UsageError(
+                f"%fsdp debug -r {rank}: no such rank; the pool has ranks 0..{pool.world_size - 1}"
+            )
+        from fsdp_interactive.pool import PoolError
+
+        command = words.strip() or None
+        try:
+            output = pool.debug(rank, command)
+        except PoolError as error:
+            raise UsageError(f"%fsdp debug: {error}") from None
+        print(output, end="" if output.endswith("\n") or not output else "\n")
+        if command is not None:
+            return
+        prompt = f"(rank {rank} Pdb) "
+        while output.active:
+            try:
+                line = input(prompt)
+            except EOFError:
+                break
+            output = pool.debug(rank, line)
+            print(output, end="" if output.endswith("\n") or not output else "\n")
 
     def _parse(self, func: Any, rest: str, command: str) -> Any:
         try:
@@ -308,6 +454,11 @@ class FsdpMagics(Magics):
     )
     @argument("--local", action="store_true", help="also run the cell in the kernel")
     @argument("-o", "--out", default=None, help="store the run's result (or timeout) under NAME")
+    @argument(
+        "--native",
+        action="store_true",
+        help="on --timeout, add each rank's native (C/C++) frames (py-spy)",
+    )
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.
@@ -315,7 +466,11 @@ class FsdpMagics(Magics):
         Shows rank 0's output plus every rank's errors by default (identical texts once);
         ``--group-outputs rank|type|order`` shows every rank.  Rich output from the ranks
         (figures, HTML) is shown too.  On ``--timeout`` the error carries every rank's
-        stack; ``-o NAME`` keeps the timeout error so that ``NAME.wait()`` can keep waiting.
+        stack, its last collectives and where the ranks disagree (``--native`` adds C/C++
+        frames); ``-o NAME`` keeps the timeout error so that ``NAME.wait()`` can keep
+        waiting.  Tracebacks and stacks name the cell as the notebook numbers it; a rank's
+        failure stays available to ``%fsdp debug``.  ``fsdp_interactive.breakpoint(rank=R)``
+        in the cell stops rank R and asks for debugger commands in the input box.
         """
         args = self._parse_cell(line)
         pool = self._require_pool()
@@ -329,16 +484,25 @@ class FsdpMagics(Magics):
                 file=sys.stderr,
             )
         stream = args.stream if args.stream is not None else _stream_default()
-        sink = StreamSink(ranks[0], all_ranks=args.group_outputs is not None, live=stream)
+        sink = StreamSink(ranks, all_ranks=args.group_outputs is not None, live=stream)
         try:
-            result = pool.run(cell, targets=targets, timeout=args.timeout, on_output=sink)
+            result = pool.run(
+                cell,
+                targets=targets,
+                timeout=args.timeout,
+                on_output=sink,
+                cell=current_cell_number(self.shell),
+                native=args.native,
+            )
         except TimeoutError as error:
             sink.flush()
             if args.out:
                 self.shell.user_ns[args.out] = error
-            raise _shown_as_message(error) from None
+            raise _shown_as_message(error, args.out) from None
         except _pool_failures() as error:
             sink.flush()
+            if isinstance(error, _rank_error_class()):
+                self._last_failed_rank = min(error.ranks)
             show_outputs(outputs_of(sink, None, ranks), args.group_outputs, streamed=stream)
             raise _shown_as_message(error) from None
         sink.flush()
@@ -353,7 +517,7 @@ class FsdpMagics(Magics):
             return parse_argstring(self.fsdp_cell, line)
         except UsageError as error:
             raise UsageError(
-                f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] "
+                f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] [--native] "
                 "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME]"
             ) from None
 

@@ -6,11 +6,11 @@ import os
 import threading
 from typing import Any
 
-from fsdp_interactive.inspect._records import GradNormRecord, find_spikes, record_from_json
+from fsdp_interactive.inspect import GradNormRecord, find_spikes, record_from_json
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_history_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import history_text
 
 
@@ -153,10 +153,15 @@ class GradNormMonitor(View):
         self._follow_button = w.ToggleButton(
             description="Follow", value=False, disabled=self.log_path is None
         )
-        self._refresh_button.on_click(lambda _: self.poll())
+        self._refresh_button.on_click(self._clicked(self.poll, "refresh"))
         self._follow_button.observe(self._on_follow, names="value")
         return w.VBox(
-            [w.HBox([self._refresh_button, self._follow_button]), self._summary, self._image]
+            [
+                w.HBox([self._refresh_button, self._follow_button]),
+                self._error_box(),
+                self._summary,
+                self._image,
+            ]
         )
 
     def _on_follow(self, change: dict[str, Any]) -> None:

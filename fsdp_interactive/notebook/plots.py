@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from fsdp_interactive.inspect._records import (
+from fsdp_interactive.inspect import (
     GradNormRecord,
     GradNorms,
     MemoryStats,

@@ -3,6 +3,10 @@
 These are what a view shows outside a live kernel (nbconvert, nbval's ``text/plain``,
 a terminal) and what the widgets show in their text panes, so the numbers a test reads
 from a view are the numbers a user sees.
+
+Computed floats (norms, statistics) are shown to four significant digits: float32 sums
+come out differently in about the seventh digit on different CPU kernel paths (AVX-512,
+AVX2, none) and GPUs, and the same notebook should show the same numbers on each.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_interactive.inspect._records import (
+from fsdp_interactive._text import human_bytes, number, text_table
+from fsdp_interactive.inspect import (
     GradNormRecord,
     GradNorms,
     MemoryStats,
@@ -19,7 +24,7 @@ from fsdp_interactive.inspect._records import (
     TensorStats,
     find_spikes,
 )
-from fsdp_interactive.notebook._format import html_table, human_bytes, number, text_table
+from fsdp_interactive.notebook._format import html_table
 
 _LAYOUT_HEADERS = ("parameter", "shape", "dtype", "placements", "per-rank rows/shape", "padding")
 
@@ -112,7 +117,7 @@ def grad_norms_text(norms: GradNorms, by: str = "params") -> str:
     if not norms.params:
         return _NO_GRADS
     rows, _ = _norm_rows(norms, by)
-    head = f"global L{norms.norm_type:g} gradient norm: {number(norms.total, 8)}"
+    head = f"global L{norms.norm_type:g} gradient norm: {number(norms.total)}"
     if norms.has_nonfinite:
         head += f"  (NON-FINITE gradients in: {', '.join(norms.nonfinite) or 'total'})"
     return head + "\n\n" + text_table((by[:-1], "norm", "flags"), rows)
@@ -122,7 +127,7 @@ def grad_norms_html(norms: GradNorms, by: str = "params") -> str:
     if not norms.params:
         return f"<i>{_NO_GRADS}</i>"
     rows, marks = _norm_rows(norms, by)
-    head = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total, 8)}</b>"
+    head = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total)}</b>"
     if norms.has_nonfinite:
         head += f' <span style="color:#c00">non-finite: {", ".join(norms.nonfinite)}</span>'
     return head + html_table((by[:-1], "norm", "flags"), rows, marks)
@@ -133,11 +138,11 @@ def _stats_rows(stats: TensorStats) -> list[tuple[str, str]]:
         ("shape", "x".join(map(str, stats.shape))),
         ("dtype", stats.dtype),
         ("numel", str(stats.numel)),
-        ("mean", number(stats.mean, 6)),
-        ("std", number(stats.std, 6)),
-        ("min", number(stats.min, 6)),
-        ("max", number(stats.max, 6)),
-        ("norm", number(stats.norm, 6)),
+        ("mean", number(stats.mean)),
+        ("std", number(stats.std)),
+        ("min", number(stats.min)),
+        ("max", number(stats.max)),
+        ("norm", number(stats.norm)),
         ("NaN", str(stats.nan_count)),
         ("Inf", str(stats.inf_count)),
     ]
@@ -213,7 +218,7 @@ def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
     bad = [r.step for r in records if r.nonfinite]
     lines = [
         f"{len(records)} steps recorded (steps {records[0].step}..{records[-1].step}); "
-        f"last global norm {number(records[-1].total, 6)}",
+        f"last global norm {number(records[-1].total)}",
         f"NaN/Inf at steps: {bad if bad else 'none'}",
         f"spikes at steps: {spikes if spikes else 'none'}",
     ]
@@ -221,7 +226,7 @@ def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
     lines.append(
         text_table(
             ("step", "global norm", "flags"),
-            [(r.step, number(r.total, 6), "NaN/Inf" if r.nonfinite else "") for r in tail],
+            [(r.step, number(r.total), "NaN/Inf" if r.nonfinite else "") for r in tail],
         )
     )
     return "\n".join(lines)

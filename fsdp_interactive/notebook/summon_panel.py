@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import html
 from typing import Any
 
-from fsdp_interactive.inspect._records import TensorStats
+from fsdp_interactive.inspect import TensorStats
+from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import figure_html, figure_png
-from fsdp_interactive.notebook._remote import RankModel
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
+from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import stats_html, stats_text
 
 
@@ -35,6 +37,7 @@ class SummonPanel(View):
         self.modules = modules
         self.pending: str | None = None
         self.message = ""
+        self.error: ErrorNote | None = None
         self.data: TensorStats = source.summon(fqn or params[0], bins)
 
     @property
@@ -50,6 +53,7 @@ class SummonPanel(View):
         self.data = self.source.summon(fqn, self.bins)
         self.pending = None
         self.message = ""
+        self.error = None
         self._changed()
         return self.data
 
@@ -63,12 +67,14 @@ class SummonPanel(View):
             )
         self.data = self.source.edit(self.fqn, expression, self.bins)
         self.pending = None
+        self.error = None
         self.message = f"applied {expression!r} to {self.fqn} on every rank"
         self._changed()
         return self.data
 
     def request(self, expression: str) -> None:
         """First step of the widget's two-click edit: remember ``expression``, ask to confirm."""
+        self.error = None
         if not expression.strip():
             self.message = "type an expression first, e.g. x[0] = 0"
         else:
@@ -84,12 +90,14 @@ class SummonPanel(View):
             return self.apply(self.pending, confirm=True)
         except Exception as error:  # shown in the panel; the parameter stays unchanged
             self.pending = None
-            self.message = f"edit failed: {error}"
+            self.error = ErrorNote.of(error)
+            self.message = self.error.text("edit failed: ")
             self._changed()
             raise
 
     def cancel(self) -> None:
         self.pending = None
+        self.error = None
         self.message = "edit cancelled"
         self._changed()
 
@@ -109,6 +117,7 @@ class SummonPanel(View):
         options = [(p, p) for p in self.params] + [(f"{m} (module)", m) for m in self.modules]
         self._choice = w.Dropdown(options=options, value=self.fqn, description="tensor")
         self._choice.observe(self._on_choice, names="value")
+        self._select = self._clicked(lambda: self.select(self._choice.value), "gathering")
         self._stats = w.HTML()
         self._image = png_image()
         self._expression = w.Text(placeholder="x[0] = 0   or   x * 0.5", description="edit")
@@ -132,12 +141,13 @@ class SummonPanel(View):
                     ]
                 ),
                 self._status,
+                self._error_box(),
             ]
         )
 
     def _on_choice(self, change: dict[str, Any]) -> None:
         if change["new"] != self.fqn:
-            self.select(change["new"])
+            self._select()
 
     def _confirm_quietly(self) -> None:
         with contextlib.suppress(Exception):  # the message is already in the panel
@@ -152,4 +162,7 @@ class SummonPanel(View):
         self._apply_button.disabled = not editable
         self._confirm_button.disabled = self.pending is None
         self._cancel_button.disabled = self.pending is None
-        self._status.value = self.message
+        if self.error is not None:
+            self._status.value = self.error.html("edit failed: ")
+        else:
+            self._status.value = html.escape(self.message)

@@ -1,12 +1,21 @@
 """The engine pool: an ipyparallel cluster whose every engine is one ``torch.distributed`` rank.
 
-Notebook side. ``Pool`` is the entry point; the exceptions below are what its calls
-raise. Rank-side start-up code lives in :mod:`fsdp_interactive.pool._rank_bootstrap`
-(free of IPython).
+Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
+:mod:`fsdp_interactive.pool.errors`) are what its calls raise, and ``Pool.state`` is a
+:class:`PoolState`. ``Pool.trace()`` returns a :class:`CollectiveTrace` (per rank a
+:class:`RecorderDump`), ``Pool.interrupt()`` an :class:`InterruptReport` and
+``Pool.debug()`` a :class:`DebuggerOutput`. Rank-side start-up code lives in
+:mod:`fsdp_interactive.pool._rank_bootstrap` (free of IPython).
 """
 
+from fsdp_interactive.pool._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool._devices import visible_cuda_device_count
-from fsdp_interactive.pool._errors import (
+from fsdp_interactive.pool._dispatch import InterruptReport
+from fsdp_interactive.pool._output import RunResult, TaggedPrinter
+from fsdp_interactive.pool._pool import DebuggerOutput, Pool
+from fsdp_interactive.pool._state import PoolState
+from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.errors import (
     PoolBusy,
     PoolError,
     PoolNotRunning,
@@ -16,21 +25,23 @@ from fsdp_interactive.pool._errors import (
     RankInterrupted,
     RankTimeout,
 )
-from fsdp_interactive.pool._output import RunResult, TaggedPrinter
-from fsdp_interactive.pool._pool import Pool
-from fsdp_interactive.pool._topology import RankRecord
 
 __all__ = [
+    "CollectiveTrace",
+    "DebuggerOutput",
+    "InterruptReport",
     "Pool",
     "PoolBusy",
     "PoolError",
     "PoolNotRunning",
     "PoolStartError",
+    "PoolState",
     "RankDied",
     "RankError",
     "RankInterrupted",
     "RankRecord",
     "RankTimeout",
+    "RecorderDump",
     "RunResult",
     "TaggedPrinter",
     "visible_cuda_device_count",

@@ -49,10 +49,6 @@ class LoopThread:
         future = asyncio.run_coroutine_threadsafe(wrapper(), self._loop)
         return future.result(timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._loop.is_closed()
-
     def close(self) -> None:
         """Stop the loop and join the thread; idempotent."""
         if self._loop.is_closed():

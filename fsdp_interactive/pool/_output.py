@@ -5,17 +5,56 @@ ipyparallel client accumulates as the engines publish it) and hands every new ch
 an output sink ``sink(rank, stream_name, text)``. The default sink, :class:`TaggedPrinter`,
 prints complete lines prefixed with ``[rank N]`` (stderr lines go to ``sys.stderr``
 with ``[rank N:stderr]``); it prints from the calling thread, so in a notebook the text
-lands in the cell that started the run.
+lands in the cell that started the run. :class:`OutputPump` does the polling for one set
+of in-flight calls.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 OutputSink = Callable[[int, str, str], None]
+
+_STREAMS = ("stdout", "stderr")
+
+
+def received_metadata(handle: Any) -> dict[str, Any]:
+    """A single-engine AsyncResult's metadata dict, as received.
+
+    ``AsyncResult.metadata`` parses every timestamp field with dateutil on each access
+    until all have arrived, which costs more than a short call's whole round trip; only
+    the output fields are read here, so the received dict is used as it is.
+    """
+    received = getattr(handle, "_metadata", None)
+    if isinstance(received, list) and len(received) == 1 and isinstance(received[0], dict):
+        return received[0]
+    return handle.metadata
+
+
+class OutputPump:
+    """Hands the output that ranks' in-flight calls produced since the last call to a sink.
+
+    ``handles`` maps rank -> single-engine AsyncResult. Each call of the pump passes every
+    new chunk of each rank's stdout and stderr to ``sink(rank, stream, text)``.
+    """
+
+    def __init__(self, handles: Mapping[int, Any], sink: OutputSink) -> None:
+        self._handles = handles
+        self._sink = sink
+        self._seen: dict[tuple[int, str], int] = {}
+
+    def __call__(self) -> None:
+        for rank, handle in self._handles.items():
+            metadata = received_metadata(handle)
+            for name in _STREAMS:
+                text = metadata[name]
+                seen = self._seen.get((rank, name), 0)
+                if len(text) > seen:
+                    self._seen[(rank, name)] = len(text)
+                    self._sink(rank, name, text[seen:])
 
 
 class TaggedPrinter:
@@ -96,3 +135,20 @@ def plain_result(execute_result: dict[str, Any] | None) -> str | None:
         return None
     data = execute_result.get("data") or {}
     return data.get("text/plain")
+
+
+def run_result(handles: Mapping[int, Any], elapsed: float) -> RunResult:
+    """The :class:`RunResult` of finished ``execute`` calls (rank -> AsyncResult)."""
+    result = RunResult(ranks=list(handles), elapsed=elapsed)
+    for rank, handle in handles.items():
+        metadata = received_metadata(handle)
+        result.stdout[rank] = metadata["stdout"]
+        result.stderr[rank] = metadata["stderr"]
+        execute_result = metadata.get("execute_result") or {}
+        result.results[rank] = plain_result(execute_result)
+        result.result_data[rank] = dict(execute_result.get("data") or {})
+        result.displays[rank] = [
+            {"data": out.get("data", {}), "metadata": out.get("metadata", {})}
+            for out in metadata.get("outputs", [])
+        ]
+    return result

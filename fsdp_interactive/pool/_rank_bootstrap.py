@@ -1,21 +1,29 @@
 """Rank side of the pool: what each engine runs to become one ``torch.distributed`` rank.
 
-The notebook side (:mod:`fsdp_interactive.pool._pool`) calls these functions on the
-engines through ipyparallel; they take and return plain data only. This module never
+The notebook side (:mod:`fsdp_interactive.pool._rendezvous`) calls these functions on
+the engines through ipyparallel; they take and return plain data only. This module never
 imports IPython, ipyparallel or anything notebook-side, and it never touches CUDA
 unless the spec it is given names a CUDA device.
 
 Start-up, in order:
 
+0. :func:`enable_logging`, only when the pool has a log level: this engine's
+   ``fsdp_interactive.*`` records go to its stderr, which reaches the notebook.
 1. :func:`describe_engine` on every engine: host, address, pid.
 2. :func:`open_store` on the engine chosen as rank 0: a ``TCPStore`` server on a free
    port (the port is picked by binding port 0, so no other process can take it in
    between); in local mode it listens on loopback only.
 3. :func:`join_group` on all ranks concurrently: torchrun's environment variables,
-   device pinning (before any other CUDA use), stack-dump signal handler, then
-   ``init_process_group`` on the shared store and a readiness handshake through the
-   store (every rank counts itself in and waits for the full count; no sleeps),
-   checked by one ``all_reduce``.
+   device pinning (before any other CUDA use), the flight recorder's buffer size and
+   the collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` when asked for), both of
+   which torch reads when the group is created, then ``init_process_group`` on the
+   shared store and a readiness handshake through the store (every rank counts itself
+   in and waits for the full count; no sleeps), checked by one ``all_reduce``, which
+   also tells whether the flight recorder records this backend. The process takes a
+   title (``fsdp-interactive rank 1/4, pool <id>``) so that ``ps`` shows what it is.
+
+The diagnostics agent (:mod:`._rank_agent`) is started by the engine's hooks
+(:mod:`._engine_shell`) around this, because its key comes from the engine's session.
 
 Not done here: choosing ranks or devices (the notebook side decides), retrying, or
 recovering a broken group (the pool restarts the engines instead).
@@ -24,17 +32,19 @@ recovering a broken group (the pool restarts the engines instead).
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
-import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-#: Signal that makes a rank write every thread's Python stack to its stack file.
-STACK_SIGNAL = signal.SIGUSR1
+from fsdp_interactive.pool import _logs, _torch_recorder
+
+log = logging.getLogger(__name__)
 
 _READY_KEY = "fsdp_interactive/ready"
 _ALL_READY_KEY = "fsdp_interactive/all_ready"
@@ -44,7 +54,6 @@ _ALL_READY_KEY = "fsdp_interactive/all_ready"
 class _RankState:
     store: Any = None
     listen_socket: socket.socket | None = None
-    stack_file: Any = None
     rank: int = -1
     world_size: int = 0
     local_rank: int = -1
@@ -52,6 +61,12 @@ class _RankState:
 
 
 _STATE = _RankState()
+
+
+def enable_logging(level: int) -> None:
+    """Show this engine's ``fsdp_interactive.*`` records at ``level`` on its stderr."""
+    _logs.enable(level)
+    log.debug("engine pid %d logs at level %s", os.getpid(), logging.getLevelName(level))
 
 
 def describe_engine() -> dict[str, Any]:
@@ -100,6 +115,7 @@ def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
+    log.debug("rendezvous store listening on %s:%d", bind_address or "*", port)
     return port
 
 
@@ -115,8 +131,13 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     """Become rank ``spec["rank"]`` of a new default process group; return its record.
 
     ``spec`` keys: rank, world_size, local_rank, local_world_size, master_addr,
-    master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s,
-    stack_path, env (extra environment variables, e.g. socket interface names).
+    master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s, env (extra
+    environment variables, e.g. socket interface names); optional: flight_recorder
+    (ring buffer entries, 0: off, ``None``: the environment's setting),
+    check_collectives (bool), title (the process title).
+
+    The record says, under ``recorder_note``, why the flight recorder does not record
+    this group's collectives (``None`` when it does).
     """
     import torch
     import torch.distributed as dist
@@ -142,10 +163,27 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
             )
         # Pin before anything else can create a context on the wrong device.
         torch.cuda.set_device(device)
-    _install_stack_dumper(spec["stack_path"])
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)  # crash reports in the log
+    _torch_recorder.configure(spec.get("flight_recorder"))
+    if spec.get("check_collectives"):
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        # torch read the variable when it was imported; the group reads the level.
+        dist.set_debug_level_from_env()
+    if spec.get("title"):
+        set_title(str(spec["title"]))
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    began = time.monotonic()
+    log.debug(
+        "rank %d of %d joining a %s group on %s:%s (device %s)",
+        rank,
+        world_size,
+        spec["backend"],
+        spec["master_addr"],
+        spec["master_port"],
+        device,
+    )
     timeout = timedelta(seconds=float(spec["pg_timeout_s"]))
     if rank == 0:
         store = _STATE.store
@@ -175,7 +213,12 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(check)
     if int(check.item()) != world_size:
         raise RuntimeError(f"all_reduce check gave {check.item()}, expected {world_size}")
+    recorder_note = _torch_recorder.check(str(spec["backend"]))
+    log.debug("rank %d joined in %.2fs; all_reduce check passed", rank, time.monotonic() - began)
+    if recorder_note:
+        log.debug("collective trace unavailable: %s", recorder_note)
 
+    _STATE.store = store
     _STATE.rank = rank
     _STATE.world_size = world_size
     _STATE.local_rank = int(spec["local_rank"])
@@ -188,7 +231,7 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         "device": str(device),
         "backend": dist.get_backend(),
         "thread_id": threading.get_ident(),
-        "stack_path": spec["stack_path"],
+        "recorder_note": recorder_note,
     }
 
 
@@ -206,19 +249,36 @@ def rank_context() -> tuple[int, int, int, str]:
     return _STATE.rank, _STATE.world_size, _STATE.local_rank, _STATE.device
 
 
-def _install_stack_dumper(stack_path: str) -> None:
-    """On :data:`STACK_SIGNAL`, append every thread's stack to ``stack_path``.
+def rendezvous_store() -> Any:
+    """The group's rendezvous ``TCPStore`` (server on rank 0, client elsewhere), or None."""
+    return _STATE.store
 
-    faulthandler writes from the C signal handler, so a rank answers even while its
-    main thread is blocked inside a C++ collective, and nothing is interrupted. Fatal
-    errors (segfault, abort) also dump their stack into the engine's own log.
+
+def set_title(title: str) -> None:
+    """Show ``title`` as this process's command line (``ps``, ``psutil.Process.cmdline()``)
+    and, cut to 15 characters, as its name (``top``, ``psutil.Process.name()``).
+
+    Linux: the title is written over the original command line's memory, whose bounds
+    the kernel gives in ``/proc/self/stat`` (it is cut to that length, and the
+    environment block next to it is left alone, so ``/proc/<pid>/environ`` stays
+    readable); the name through ``prctl(PR_SET_NAME)``. setproctitle would find that
+    memory by scanning from the environment, which a forked engine has rebuilt.
+    Elsewhere, or when the kernel does not say, nothing changes.
     """
-    directory = os.path.dirname(stack_path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    if _STATE.stack_file is not None:
-        faulthandler.unregister(STACK_SIGNAL)
-        _STATE.stack_file.close()
-    _STATE.stack_file = open(stack_path, "a")  # noqa: SIM115 (must outlive this call)
-    faulthandler.register(STACK_SIGNAL, file=_STATE.stack_file, all_threads=True, chain=False)
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of stat(5)
+    except (OSError, ValueError, IndexError, AttributeError):
+        log.debug("no process title on this platform")
+        return
+    size = arg_end - arg_start
+    if size > 1:
+        data = title.encode()[: size - 1]
+        ctypes.memmove(arg_start, data + b"\0" * (size - len(data)), size)
+    pr_set_name = 15
+    libc.prctl(pr_set_name, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)

@@ -6,7 +6,7 @@ of that runs, and the engines, which live in their own session, would go on. The
 therefore starts this small watchdog, in a session of its own, next to each cluster it
 owns::
 
-    python -m fsdp_interactive.pool._reaper OWNER_PID OWNER_CREATE_TIME PIDS_FILE
+    python -m fsdp_interactive.pool._reaper OWNER_PID OWNER_CREATE_TIME PIDS_FILE [LOG_LEVEL]
 
 It polls once a second. While the owner lives it does nothing; when ``PIDS_FILE``
 disappears (the pool was stopped normally) it exits. When the owner is gone it ends
@@ -14,12 +14,16 @@ every process listed in ``PIDS_FILE`` (a JSON object ``{"pid": create_time}``, r
 atomically by the pool as it starts processes): SIGTERM, then SIGKILL after a grace
 period, and only where pid *and* start time still match, so a reused pid is never hit.
 It never looks processes up by name.
+
+With ``LOG_LEVEL`` (a :mod:`logging` level name) it logs its decisions on stderr, which
+:func:`start_reaper` sends to a log file, since nobody is left to show them when it acts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -30,8 +34,11 @@ from pathlib import Path
 
 import psutil
 
+from fsdp_interactive.pool._pids import end_processes, is_running
+
+log = logging.getLogger(__name__)
+
 _POLL_S = 1.0
-_GRACE_S = 5.0
 
 
 def write_pid_file(path: str | os.PathLike, pids: Mapping[int, float]) -> None:
@@ -42,48 +49,40 @@ def write_pid_file(path: str | os.PathLike, pids: Mapping[int, float]) -> None:
     os.replace(partial, path)
 
 
-def start_reaper(pid_file: str | os.PathLike) -> subprocess.Popen:
-    """Start the watchdog for the calling process and the processes in ``pid_file``."""
+def start_reaper(
+    pid_file: str | os.PathLike,
+    *,
+    log_level: int | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> subprocess.Popen:
+    """Start the watchdog for the calling process and the processes in ``pid_file``.
+
+    With ``log_level`` and ``log_path`` its decisions are appended to ``log_path``.
+    """
     owner = psutil.Process()
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_interactive.pool._reaper",
+        str(owner.pid),
+        repr(owner.create_time()),
+        str(pid_file),
+    ]
+    if log_level is not None and log_path is not None:
+        command.append(logging.getLevelName(log_level))
+        with open(log_path, "ab") as log_file:
+            return _spawn(command, log_file)
+    return _spawn(command, subprocess.DEVNULL)
+
+
+def _spawn(command: list[str], stderr: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fsdp_interactive.pool._reaper",
-            str(owner.pid),
-            repr(owner.create_time()),
-            str(pid_file),
-        ],
+        command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,  # type: ignore[arg-type]
         start_new_session=True,  # a notebook interrupt of the owner's group must not reach it
     )
-
-
-def _alive(pid: int, created: float) -> psutil.Process | None:
-    with contextlib.suppress(psutil.Error):
-        proc = psutil.Process(pid)
-        if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-            return proc
-    return None
-
-
-def end_processes(pids: Mapping[int, float], grace: float = _GRACE_S) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, each live process of ``pids``.
-
-    Returns the pids that were found alive (and so were ended).
-    """
-    procs = [proc for pid, created in pids.items() if (proc := _alive(pid, created))]
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, still_alive = psutil.wait_procs(procs, timeout=grace)
-    for proc in still_alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(still_alive, timeout=grace)
-    return [proc.pid for proc in procs]
 
 
 def _read_pid_file(path: Path) -> dict[int, float]:
@@ -94,11 +93,16 @@ def _read_pid_file(path: Path) -> dict[int, float]:
 
 def watch(owner_pid: int, owner_created: float, pid_file: Path) -> int:
     """Wait for the owner to die (then reap) or for ``pid_file`` to vanish (then exit)."""
-    while _alive(owner_pid, owner_created) is not None:
+    log.debug("watching owner pid %d for the processes in %s", owner_pid, pid_file)
+    while is_running(owner_pid, owner_created):
         if not pid_file.exists():
+            log.debug("pid file gone: the pool was stopped normally; exiting")
             return 0
         time.sleep(_POLL_S)
-    end_processes(_read_pid_file(pid_file))
+    pids = _read_pid_file(pid_file)
+    log.info("owner pid %d is gone: ending its %d recorded processes", owner_pid, len(pids))
+    ended = end_processes(pids)
+    log.info("ended pids %s; the others had exited already", sorted(ended))
     with contextlib.suppress(OSError):
         pid_file.unlink()
     return 0
@@ -106,13 +110,18 @@ def watch(owner_pid: int, owner_created: float, pid_file: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 3:
+    if len(args) not in (3, 4):
         print(
-            "usage: python -m fsdp_interactive.pool._reaper OWNER_PID OWNER_CREATE_TIME PIDS_FILE",
+            "usage: python -m fsdp_interactive.pool._reaper "
+            "OWNER_PID OWNER_CREATE_TIME PIDS_FILE [LOG_LEVEL]",
             file=sys.stderr,
         )
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(args) == 4:
+        logging.basicConfig(
+            level=args[3], format="%(asctime)s reaper %(levelname)s %(name)s: %(message)s"
+        )
     return watch(int(args[0]), float(args[1]), Path(args[2]))
 
 

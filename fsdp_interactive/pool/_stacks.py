@@ -1,15 +1,18 @@
-"""Reading the stack dumps that ranks write on :data:`STACK_SIGNAL`.
+"""Stacks as plain data, and how they read: traceback-like text and a one-line summary.
 
-A rank's dump is faulthandler's text: one block per thread, innermost frame first.
-This module picks the block of the thread that runs user code, turns it into
-:class:`Frame` records and summarises it in one line ("in barrier
-(distributed_c10d.py:4800)"). It only parses text; it does not signal anyone.
+A stack is a list of :class:`Frame` records, innermost first. Ranks capture them
+themselves (:mod:`._thread_stacks`, with each frame's source line and, for notebook
+cells, the cell's label) or, as a fallback, write faulthandler's text on
+:data:`~._rank_agent.STACK_SIGNAL`, which :func:`thread_blocks` parses (no source lines
+there). Both sides import this module: it is free of torch, IPython and ipyparallel,
+and it only reads and formats; it does not signal anyone.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 _BLOCK_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -18,11 +21,18 @@ _DISTRIBUTED_PATH = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
 
 @dataclass(frozen=True)
 class Frame:
-    """One Python frame of a dump (innermost first in a stack)."""
+    """One Python frame (innermost first in a stack).
+
+    ``source``: the frame's current line of code, stripped (``None`` when unknown, as in
+    faulthandler dumps). ``cell``: the notebook cell's label when the frame runs cell
+    code, e.g. ``"Cell In[15]"`` (numbered by the notebook's execution count).
+    """
 
     file: str
     line: int
     function: str
+    source: str | None = None
+    cell: str | None = None
 
 
 def thread_blocks(dump: str) -> dict[int, list[Frame]]:
@@ -53,13 +63,20 @@ def user_stack(dump: str, thread_id: int | None) -> list[Frame]:
 
 _FRAMEWORK_PATH = re.compile(
     r"([/\\](IPython|ipykernel|ipyparallel|tornado|traitlets|zmq|asyncio)[/\\])|^<frozen "
+    # an idle engine waits in its event loop's selector
+    r"|([/\\]selectors\.py$)"
     # how a local engine was started: forked by the pool's forker, run as `python -m`
     r"|([/\\]pool[/\\]_engine_(forker|entry)\.py$)|([/\\]runpy\.py$)"
 )
 _WRAPPER_FILES = ("c10d_logger.py",)
 
 
-def user_frames(frames: list[Frame]) -> list[Frame]:
+def is_machinery(path: str) -> bool:
+    """Whether ``path`` is engine machinery (IPython, ipyparallel, asyncio, ...), not user code."""
+    return bool(_FRAMEWORK_PATH.search(path))
+
+
+def user_frames(frames: Sequence[Frame]) -> list[Frame]:
     """``frames`` without the outer engine machinery (IPython, ipyparallel, asyncio, ...).
 
     An idle engine has only machinery frames, so the result is empty.
@@ -70,7 +87,7 @@ def user_frames(frames: list[Frame]) -> list[Frame]:
     return kept
 
 
-def in_distributed(frames: list[Frame]) -> Frame | None:
+def in_distributed(frames: Sequence[Frame]) -> Frame | None:
     """The outermost ``torch.distributed`` call of a stack (skipping logging wrappers)."""
     hits = [
         f
@@ -80,34 +97,73 @@ def in_distributed(frames: list[Frame]) -> Frame | None:
     return hits[-1] if hits else None
 
 
-def describe(frames: list[Frame], code: str | None = None) -> str:
-    """One line saying where a rank is: the torch.distributed call, else the innermost frame.
+def is_cell_file(path: str) -> bool:
+    """Whether ``path`` names notebook cell code rather than a file on disk."""
+    # ipykernel names cells /tmp/ipykernel_<pid>/<hash>.py, terminal IPython
+    # <ipython-input-N-hash>; other "<...>" names are generated code (namedtuple, exec).
+    return "ipykernel_" in path or path.startswith(("<ipython-input", "<cell"))
 
-    ``code`` is the cell source that was sent to the ranks; frames of cell code (files
-    that are not real paths) are shown with their source line from it.
+
+def with_cell_sources(frames: Sequence[Frame], code: str | None, cell: str | None) -> list[Frame]:
+    """Frames of a faulthandler dump completed from what the kernel knows: cell frames get
+    their line from ``code`` (the source sent to the ranks) and the label ``cell``."""
+    lines = code.splitlines() if code is not None else []
+    completed = []
+    for frame in frames:
+        if is_cell_file(frame.file) and frame.cell is None:
+            source = lines[frame.line - 1].strip() if 1 <= frame.line <= len(lines) else None
+            frame = replace(frame, source=frame.source or source, cell=cell)
+        completed.append(frame)
+    return completed
+
+
+def location(frame: Frame) -> str:
+    """``Cell In[15], line 3`` for cell code, ``distributed_c10d.py:5356`` for files."""
+    if frame.cell:
+        return f"{frame.cell}, line {frame.line}"
+    return f"{_short(frame.file)}:{frame.line}"
+
+
+def describe(frames: Sequence[Frame], code: str | None = None) -> str:
+    """One line saying where a rank is.
+
+    Inside ``torch.distributed``: the call and, when cell code led there, the cell line
+    ("in barrier (distributed_c10d.py:5356), called from Cell In[15], line 3:
+    dist.barrier()"). Otherwise the innermost frame with its source line. ``code``: the
+    cell source sent to the ranks, for cell frames that carry no source line.
     """
     if not frames:
         return "idle (no user code running)"
+    frames = with_cell_sources(frames, code, None) if code is not None else list(frames)
     dist_frame = in_distributed(frames)
     if dist_frame is not None:
-        return f"in {dist_frame.function} ({_short(dist_frame.file)}:{dist_frame.line})"
+        text = f"in {dist_frame.function} ({_short(dist_frame.file)}:{dist_frame.line})"
+        caller = next((f for f in frames if is_cell_file(f.file)), None)
+        if caller is not None:
+            text += f", called from {location(caller)}"
+            if caller.source:
+                text += f": {caller.source}"
+        return text
     inner = frames[0]
-    text = f"in {inner.function} ({_short(inner.file)}:{inner.line})"
-    if code is not None and _is_cell(inner.file):
-        lines = code.splitlines()
-        if 1 <= inner.line <= len(lines):
-            text += f": {lines[inner.line - 1].strip()}"
+    text = f"in {inner.function} ({location(inner)})"
+    if inner.source:
+        text += f": {inner.source}"
     return text
 
 
-def format_stack(frames: list[Frame]) -> str:
-    """Frames as ``File "...", line N in func`` lines, outermost first (traceback order)."""
-    return "\n".join(f'  File "{f.file}", line {f.line} in {f.function}' for f in reversed(frames))
+def format_stack(frames: Sequence[Frame]) -> str:
+    """Frames as a traceback reads, outermost first: ``File "...", line N, in func`` (or
+    ``Cell In[15], line 3, in <module>``), each followed by its source line when known."""
+    lines = []
+    for frame in reversed(frames):
+        if frame.cell:
+            lines.append(f"  {frame.cell}, line {frame.line}, in {frame.function}")
+        else:
+            lines.append(f'  File "{frame.file}", line {frame.line}, in {frame.function}')
+        if frame.source:
+            lines.append(f"    {frame.source}")
+    return "\n".join(lines)
 
 
 def _short(path: str) -> str:
-    return re.split(r"[/\\]", path)[-1] if not _is_cell(path) else "<cell>"
-
-
-def _is_cell(path: str) -> bool:
-    return path.startswith("<") or "ipykernel_" in path or "ipython-input" in path
+    return re.split(r"[/\\]", path)[-1] if not is_cell_file(path) else "<cell>"

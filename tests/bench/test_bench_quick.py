@@ -21,7 +21,15 @@ import pytest
 pytestmark = pytest.mark.world4
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FIGURES = ("dispatch", "cold_start", "train_step", "memory", "grad_norm", "checkpoint")
+FIGURES = (
+    "dispatch",
+    "cold_start",
+    "train_step",
+    "memory",
+    "grad_norm",
+    "checkpoint",
+    "debug_cost",
+)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -107,14 +115,15 @@ def test_plot_is_a_png(quick_report: Path) -> None:
     assert len(data) > 10_000
 
 
-def test_recorded_causes_name_comparisons_the_report_makes(quick_report: Path) -> None:
-    from bench.findings import FINDINGS, OBSERVATIONS
+def test_recorded_causes_name_comparisons_a_quick_run_makes(quick_report: Path) -> None:
+    from bench.findings import load
 
+    findings = load()
     made = {
         (key, c["subject_name"], c["reference_name"])
         for key, figure in _figures(quick_report).items()
         for c in figure["comparisons"]
     }
-    stale = sorted(set(FINDINGS) - made)
+    stale = sorted(set(findings.causes) - made)
     assert not stale, f"findings that no comparison would ever quote: {stale}"
-    assert set(OBSERVATIONS) <= set(FIGURES)
+    assert set(findings.observations) <= set(FIGURES)

@@ -45,6 +45,7 @@ def train_matrix(strategy_name: str, bf16: bool, cases: list, mesh_shape=None) -
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp_interactive._torch_compat import fsdp_param_groups
     from fsdp_interactive.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 
@@ -77,7 +78,7 @@ def train_matrix(strategy_name: str, bf16: bool, cases: list, mesh_shape=None) -
         offloaded = {
             fsdp_param.offload_to_cpu
             for unit in units
-            for group in unit.fsdp_module._get_fsdp_state()._fsdp_param_groups
+            for group in fsdp_param_groups(unit.fsdp_module)
             for fsdp_param in group.fsdp_params
         }
         assert offloaded == {offload}, f"offload_to_cpu flags {offloaded}, wanted {offload}"

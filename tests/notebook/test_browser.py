@@ -1,4 +1,5 @@
-"""JupyterLab in headless Chromium: run the layout and grad-norm widgets, check the DOM.
+"""JupyterLab in headless Chromium: run the layout and grad-norm widgets, check the DOM,
+and answer a rank's breakpoint through the notebook's input box.
 
 Needs Debian's ``chromium`` (``apt-get install chromium``), ``jupyterlab`` and
 ``playwright`` (both in the ``dev`` extra); without them the test is skipped with the
@@ -43,6 +44,8 @@ CELLS = [
     "source = RankModel(current_pool(), 'model')\n"
     "LayoutView(source)",
     "GradNormView(source)",
+    "%%fsdp\nimport fsdp_interactive\nprobe_value = 40 + rank\n"
+    "fsdp_interactive.breakpoint(rank=1)\nprint('after the breakpoint:', probe_value)",
     "%fsdp stop\nprint('pool stopped')",
 ]
 
@@ -136,6 +139,20 @@ def lab(tmp_path):
         log.close()
 
 
+def _answer_prompt(page, command: str) -> None:
+    """Type ``command`` into the input box the running cell opened (``input()``)."""
+    box = page.locator(".jp-Stdin-input")
+    box.last.wait_for(timeout=240_000)
+    assert (
+        page.locator(".jp-InputArea-prompt, .jp-Stdin-prompt")
+        .filter(has_text="(rank 1 Pdb)")
+        .count()
+        >= 1
+    )
+    box.last.fill(command)
+    box.last.press("Enter")
+
+
 def test_widgets_render_in_jupyterlab(lab):
     from playwright import sync_api
 
@@ -154,8 +171,14 @@ def test_widgets_render_in_jupyterlab(lab):
                 " && w.sessionContext.session.kernel.connectionStatus === 'connected'; }",
                 timeout=120_000,
             )
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.get_by_text("pool stopped", exact=True).wait_for(timeout=240_000)
+            # Not awaited: the run waits for input at the breakpoint, answered below.
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            # The breakpoint on rank 1 asks for pdb commands in the notebook's input box.
+            _answer_prompt(page, "p probe_value * 2")
+            page.get_by_text("82", exact=True).wait_for(timeout=60_000)
+            _answer_prompt(page, "c")
+            stopped = page.locator(".jp-OutputArea-output").filter(has_text="pool stopped")
+            stopped.wait_for(timeout=240_000)
             tables = page.locator(".widget-html-content table.fsdp-interactive")
             tables.first.wait_for(timeout=30_000)
             text = " ".join(tables.all_inner_texts())
@@ -171,5 +194,8 @@ def test_widgets_render_in_jupyterlab(lab):
             assert page.locator(".widget-image").count() >= 2
             html_texts = page.locator(".widget-html-content").all_inner_texts()
             assert any("global norm:" in t for t in html_texts)
+            outputs = " ".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+            assert "rank 1 stopped; the other ranks wait" in outputs
+            assert "after the breakpoint: 40" in outputs
         finally:
             browser.close()

@@ -77,7 +77,11 @@ def test_async_save_through_the_widget(panel):
     assert panel.records[0].step == 7
     assert list(panel._choice.options) == ["async-one"]
     panel._delete_button.click()  # not confirmed: refused, shown in the panel
-    assert "confirm=True" in panel._status.value and panel.records
+    assert (
+        panel._status.value
+        == "tick &#x27;yes, delete it&#x27; to delete &#x27;async-one&#x27;: it cannot be undone"
+    )
+    assert "confirm=True" not in panel._status.value and panel.records
     panel._confirm_delete.value = True
     panel._delete_button.click()
     assert panel.records == [] and widget is panel.widget

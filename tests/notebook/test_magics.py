@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import re
+import sys
 import threading
 import time
 
@@ -31,10 +34,34 @@ def test_default_shows_rank0_output_and_every_ranks_errors(pool_shell, pool, cap
 
 
 def test_streamed_output_is_shown_while_running(pool_shell, pool, capsys):
-    cell(pool_shell, "--stream", "import sys\nprint('streamed', rank)\nprint('e', file=sys.stderr)")
+    cell(
+        pool_shell,
+        "--stream",
+        "import sys\nprint('streamed', rank)\nprint('e', rank, file=sys.stderr)",
+    )
     out, err = capsys.readouterr()
     assert out.count("streamed 0") == 1 and "streamed 1" not in out
-    assert "[rank 0:stderr] e" in err and "[rank 1:stderr] e" in err
+    assert "[rank 0:stderr] e 0" in err and "[rank 1:stderr] e 1" in err
+
+
+@pytest.mark.parametrize("grouping", ["", "--group-outputs rank"])
+def test_streamed_identical_stderr_lines_are_shown_once_with_their_ranks(
+    pool_shell, pool, capsys, grouping
+):
+    body = (
+        "import sys, warnings\n"
+        "warnings.warn_explicit('the same advice on every rank', UserWarning, 'library.py', 7)\n"
+        "print('then this', file=sys.stderr)\n"
+        "if rank == 1:\n"
+        "    print('only rank 1 says this', file=sys.stderr)\n"
+    )
+    cell(pool_shell, f"--stream {grouping}", body)
+    _, err = capsys.readouterr()
+    warning = "[ranks 0,1:stderr] library.py:7: UserWarning: the same advice on every rank\n"
+    assert err.count("the same advice on every rank") == 1 and warning in err
+    assert err.count("then this") == 1 and "[ranks 0,1:stderr] then this" in err
+    assert err.index(warning) < err.index("then this")
+    assert "[rank 1:stderr] only rank 1 says this" in err
 
 
 def test_identical_outputs_are_grouped(pool_shell, pool, capsys):
@@ -238,3 +265,100 @@ def test_restart_gives_a_fresh_group(pool_shell, pool):
     result = pool_shell.run_cell("%%fsdp --no-stream\nbefore_restart")
     assert isinstance(result.error_in_exec, RankError)
     assert {name for name, _ in result.error_in_exec.errors.values()} == {"NameError"}
+
+
+def test_timeout_names_magics_and_interrupt_says_what_it_did(pool_shell, pool, capsys):
+    body = "import time\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(120)\n"
+    result = pool_shell.run_cell(f"%%fsdp --timeout 3 -o stuck --no-stream\n{body}")
+    error = result.error_in_exec
+    assert isinstance(error, RankTimeout)
+    shown = "\n".join(error._render_traceback_())
+    assert "Keep waiting with stuck.wait()" in shown and "%fsdp interrupt" in shown
+    assert "pool.interrupt()" not in shown and "err.wait()" not in shown
+    assert "collectives: rank 0 waits in barrier #" in shown
+    assert "time.sleep(120)" in error.stacks[1]
+    capsys.readouterr()
+    pool_shell.run_line_magic("fsdp", "interrupt")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("rank 0: did not stop: blocked in a collective, in barrier")
+    assert out[1] == "rank 1: stopped"
+    assert "only a restart frees it: %fsdp restart" in out[2]
+    busy = pool_shell.run_cell("%%fsdp\n1")
+    assert "%fsdp restart" in "\n".join(busy.error_in_exec._render_traceback_())
+    pool_shell.run_line_magic("fsdp", "restart")
+    assert "restarted: rank state discarded (2 fresh ranks" in capsys.readouterr().out
+
+
+def test_state_changing_magics_print_one_line_of_result(pool_shell, pool, capsys):
+    pool_shell.user_ns["factor"] = 3
+    pool_shell.run_line_magic("fsdp", "push factor")
+    assert capsys.readouterr().out == "pushed factor to 2 ranks\n"
+    cell(pool_shell, "--no-stream", "head_w = torch.zeros(64, 32)\nsizes = {'a': 1, 'b': 2}")
+    capsys.readouterr()
+    pool_shell.run_line_magic("fsdp", "pull head_w")
+    pool_shell.run_line_magic("fsdp", "pull sizes --as pulled_sizes")
+    assert capsys.readouterr().out == (
+        "head_w <- Tensor (64, 32) float32\npulled_sizes <- dict (2 items)\n"
+    )
+
+
+def test_cells_are_numbered_as_the_shell_numbers_them(pool_shell, pool):
+    result = pool_shell.run_cell("%%fsdp --no-stream\nvalue = 1\nraise KeyError('missing')")
+    number = result.execution_count
+    assert isinstance(number, int)
+    error = result.error_in_exec
+    assert f"Cell In[{number}], line 2" in error.tracebacks[0]
+    assert "Look at the failing frame with %fsdp debug -r 0." in "\n".join(
+        error._render_traceback_()
+    )
+
+
+def test_debug_magic_runs_one_command_or_a_session_on_the_last_failure(
+    pool_shell, pool, capsys, monkeypatch
+):
+    pool_shell.run_cell(
+        "%%fsdp --no-stream\nlocal_value = 7 * (rank + 1)\nif rank == 1:\n    1 / 0\n"
+    )
+    capsys.readouterr()
+    pool_shell.run_line_magic("fsdp", "debug -r 1 p local_value")
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "14"
+    assert "ZeroDivisionError: division by zero" in out
+    # without a command: a prompt, fed from stdin, until q
+    monkeypatch.setattr(sys, "stdin", io.StringIO("p local_value + 1\nwhere\nq\n"))
+    pool_shell.run_line_magic("fsdp", "debug")  # the last failing rank (1)
+    out = capsys.readouterr().out
+    assert "(rank 1 Pdb) 15\n" in out and "session ended" in out
+    with pytest.raises(UsageError, match="type a rank number"):
+        pool_shell.run_line_magic("fsdp", "debug -r one p x")
+    with pytest.raises(UsageError, match=r"no such rank.*0\.\.1"):
+        pool_shell.run_line_magic("fsdp", "debug -r 4 p x")
+
+
+def test_breakpoint_asks_for_commands_through_input(pool_shell, pool, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("p count\nn\np count\nc\n"))
+    cell(
+        pool_shell,
+        "--group-outputs rank",
+        "import fsdp_interactive\ncount = rank * 5\nfsdp_interactive.breakpoint(rank=1)\n"
+        "count += 1\nprint('count', count)\n",
+    )
+    out = capsys.readouterr().out
+    assert "rank 1 stopped; the other ranks wait" in out
+    assert "-> count += 1\n(rank 1 Pdb) 5\n" in out
+    assert "(rank 1 Pdb) 6\n" in out
+    assert "[rank 0] count 1" in out and "[rank 1] count 6" in out
+
+
+def test_trace_shows_a_table_or_a_timeline(pool_shell, pool, capsys):
+    cell(pool_shell, "--no-stream", "for _ in range(3):\n    dist.all_reduce(torch.ones(2, 3))")
+    capsys.readouterr()
+    pool_shell.run_line_magic("fsdp", "trace --last 3")
+    out = capsys.readouterr().out
+    assert out.startswith("the ranks agree on every recorded collective\n")
+    assert len(re.findall(r"all +all_reduce +2x3 +2x3 +Float +done", out)) == 3
+    with capture_output() as captured:
+        pool_shell.run_line_magic("fsdp", "trace --plot")
+    assert [o for o in captured.outputs if "image/png" in o.data]
+    with pytest.raises(UsageError, match="--last 0"):
+        pool_shell.run_line_magic("fsdp", "trace --last 0")

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.inspect import GradNormRecord, GradNorms, TensorStats, find_spikes
-from fsdp_interactive.notebook._format import figure_png, human_bytes, text_table
+from fsdp_interactive.notebook._format import figure_png
 from fsdp_interactive.notebook.grad_norm_view import GradNormView
 from fsdp_interactive.notebook.plots import grad_norm_history_figure, histogram_figure
 from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text, history_text

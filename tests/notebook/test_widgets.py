@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_interactive._text import number
 from fsdp_interactive.inspect import record_to_json
 from fsdp_interactive.notebook import (
     Dashboard,
@@ -94,7 +95,7 @@ def test_grad_norm_view_global_norm_is_clip_grad_norms(source, tmp_path):
     view = GradNormView(source)
     widget = view.widget
     assert view.data.total == pytest.approx(clip_total[0], rel=1e-5)
-    assert f"{view.data.total:.8g}" in view._total.value
+    assert number(view.data.total) in view._total.value
     assert "block.0.weight" in view._table.value
     view._toggle.value = "modules"
     assert view.by == "modules" and "block" in view._table.value
@@ -116,7 +117,7 @@ def test_summon_panel_stats_and_confirmed_edit(source, tmp_path):
     assert panel.data.mean == pytest.approx(float(full.mean()), rel=1e-9)
     assert panel.data.std == pytest.approx(float(full.std()), rel=1e-9)
     assert panel.data.max == float(full.max())
-    assert f"{panel.data.mean:.6g}" in panel._stats.value
+    assert number(panel.data.mean) in panel._stats.value
     panel.figure().savefig(figures_dir(tmp_path) / "summon_histogram.png")
 
     panel._expression.value = "x[0] = 0"
@@ -224,3 +225,22 @@ def test_rank_model_rejects_bad_names(source):
         RankModel(source.pool, "widget model")
     with pytest.raises(ValueError, match="no recorder"):
         RankModel(source.pool, "widget_model").history()
+
+
+def test_a_failing_edit_shows_the_error_line_first_and_only_the_users_frame(source):
+    panel = SummonPanel(source, fqn="embed.weight")
+    before = panel.data
+    assert panel.widget is not None
+    panel._expression.value = "x.view(-1, 1000003)"
+    panel._apply_button.click()
+    panel._confirm_button.click()  # the failure is shown in the panel, not raised
+    status = panel._status.value
+    assert status.startswith('<div style="color:#b00"><b>edit failed: ranks 0, 1: RuntimeError: ')
+    assert "<details><summary>traceback (your code)</summary>" in status
+    assert "File &lt;edit&gt;:1" in status
+    assert "_fsdp_interactive_probe" not in status and "_summon.py" not in status
+    assert panel.message.startswith("edit failed: ranks 0, 1: RuntimeError: ")
+    assert panel.data == before
+    panel._expression.value = "x * 1"
+    panel._apply_button.click()
+    assert "edit failed" not in panel._status.value  # a new request clears the error

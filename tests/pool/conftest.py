@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool
+from fsdp_interactive.pool._pids import still_running
 
 _RECORDED: dict[int, float] = {}
 
@@ -26,25 +26,12 @@ def record(pool: Pool) -> None:
     _RECORDED.update(pool.launched_pids)
 
 
-def alive(pids: dict[int, float]) -> list[int]:
-    """Those of ``pids`` (pid -> create_time) that still run (zombies count as gone)."""
-    running = []
-    for pid, created in pids.items():
-        try:
-            proc = psutil.Process(pid)
-            if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return running
-
-
 def wait_gone(pids: dict[int, float], timeout: float = 20.0) -> list[int]:
     """Wait up to ``timeout`` for ``pids`` to end; the ones still running."""
     end = time.monotonic() + timeout
-    while alive(pids) and time.monotonic() < end:
+    while still_running(pids) and time.monotonic() < end:
         time.sleep(0.1)
-    return alive(pids)
+    return still_running(pids)
 
 
 def run_script(source: str, *args: str, timeout: float = 300) -> str:
@@ -52,11 +39,22 @@ def run_script(source: str, *args: str, timeout: float = 300) -> str:
 
     Fails the test, with the script's stderr, unless it exits with status 0.
     """
+    return run_script_streams(source, *args, timeout=timeout)[0]
+
+
+def run_script_streams(
+    source: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """Like :func:`run_script`, with ``env`` added to the environment; ``(stdout, stderr)``."""
     result = subprocess.run(
-        [sys.executable, "-c", source, *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", source, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr
-    return result.stdout
+    return result.stdout, result.stderr
 
 
 @pytest.fixture(scope="session")

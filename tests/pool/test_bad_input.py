@@ -8,7 +8,8 @@ import pytest
 from traitlets.config import Config
 
 from fsdp_interactive.pool import Pool, PoolNotRunning, PoolStartError, visible_cuda_device_count
-from tests.pool.conftest import alive, record, wait_gone
+from fsdp_interactive.pool._pids import still_running
+from tests.pool.conftest import record, wait_gone
 
 
 @pytest.mark.parametrize(
@@ -94,4 +95,4 @@ def test_engines_that_exit_at_start_are_reported_with_their_log(profile_dir):
         pool.start()
     record(pool)
     assert "engine cannot start: no torch here" in str(info.value)
-    assert alive(pool.launched_pids) == [] or wait_gone(pool.launched_pids) == []
+    assert still_running(pool.launched_pids) == [] or wait_gone(pool.launched_pids) == []

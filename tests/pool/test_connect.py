@@ -9,7 +9,8 @@ import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool
-from tests.pool.conftest import alive, record, wait_gone
+from fsdp_interactive.pool._pids import still_running
+from tests.pool.conftest import record, wait_gone
 
 
 def test_connect_to_a_running_cluster(profile_dir):
@@ -44,7 +45,9 @@ def test_connect_to_a_running_cluster(profile_dir):
         ]
         pool.stop()
         assert pool.launched_pids == {}
-        assert sorted(alive(engine_pids)) == sorted(engine_pids), "engines it does not own survive"
+        assert sorted(still_running(engine_pids)) == sorted(engine_pids), (
+            "engines it does not own survive"
+        )
     finally:
         cluster.stop_cluster_sync()
     assert wait_gone(engine_pids) == []

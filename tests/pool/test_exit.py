@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
-from fsdp_interactive.pool._reaper import end_processes
+import pytest
+
+from fsdp_interactive.pool._logs import ENV_VAR
+from fsdp_interactive.pool._pids import end_processes
 from tests.pool.conftest import run_script, wait_gone
 
 SCRIPT = """
@@ -36,13 +41,19 @@ time.sleep(600)  # killed by the test while the pool runs
 """
 
 
-def test_killed_owner_leaves_no_engine_or_controller(profile_dir):
-    """SIGKILL of the kernel-like owner: no atexit runs, the orphan reaper ends the pool."""
+@pytest.mark.parametrize("log_level", [None, "debug"])
+def test_killed_owner_leaves_no_engine_or_controller(profile_dir, log_level):
+    """SIGKILL of the kernel-like owner: no atexit runs, the orphan reaper ends the pool.
+
+    With a log level, the reaper writes what it decided to its log file.
+    """
+    env = {**os.environ, ENV_VAR: log_level or ""}
     owner = subprocess.Popen(
         [sys.executable, "-c", KILLED_OWNER_SCRIPT, profile_dir],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     launched: dict[int, float] = {}
     try:
@@ -59,3 +70,7 @@ def test_killed_owner_leaves_no_engine_or_controller(profile_dir):
             owner.wait(timeout=30)
         # Whatever the reaper missed is ended here, by exact pid and start time.
         end_processes(launched, grace=5)
+    if log_level:
+        decision = f"owner pid {owner.pid} is gone: ending its {len(launched)} recorded processes"
+        logs = [path.read_text() for path in Path(profile_dir, "log").glob("reaper-*.log")]
+        assert any(decision in text for text in logs), logs

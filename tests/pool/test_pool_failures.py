@@ -83,12 +83,19 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
         pool.run(code, timeout=2)
     err = info.value
     assert sorted(err.stacks) == [0, 1]
-    assert err.where[0] == "in barrier (distributed_c10d.py:" + err.where[0].split(":")[-1]
+    assert err.where[0].startswith("in barrier (distributed_c10d.py:")
+    assert err.where[0].endswith("called from <cell>:3: dist.barrier()")
     assert "time.sleep(0.1)" in err.where[1]
     assert "distributed_c10d.py" in err.stacks[0] and "in barrier" in err.stacks[0]
+    assert "    dist.barrier()" in err.stacks[0]  # the cell frame with its source line
     assert "in barrier" not in err.stacks[1]
     text = str(err)
     assert "rank 0: in barrier" in text and "rank 1: in <module>" in text
+    # The flight recorder: rank 0 issued one more collective than rank 1.
+    [finding] = err.diagnosis
+    seq = finding.split("#")[1].split(";")[0]
+    assert finding.startswith(f"rank 0 waits in barrier #{seq}; rank 1 never issued #{seq}")
+    assert f"collectives: {finding}" in text
     assert pool.busy_ranks() == [0, 1]
     with pytest.raises(PoolBusy, match="still run an earlier call"):
         pool.run("1")

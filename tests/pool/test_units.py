@@ -8,9 +8,9 @@ import pytest
 
 from fsdp_interactive.pool import RankDied, RankError, RankInterrupted, TaggedPrinter
 from fsdp_interactive.pool._devices import _count, cuda_build
-from fsdp_interactive.pool._errors import collapse, describe_exit
 from fsdp_interactive.pool._stacks import describe, in_distributed, user_stack
 from fsdp_interactive.pool._topology import RankRecord, assign_ranks, format_table
+from fsdp_interactive.pool.errors import collapse, describe_exit
 
 
 def _engine(host: str, pid: int) -> dict:
@@ -76,7 +76,7 @@ def test_stack_of_the_user_thread_without_engine_machinery():
     frames = user_stack(DUMP, thread_id=0x7F0000000002)
     assert [f.function for f in frames] == ["barrier", "wrapper", "<module>"]
     assert in_distributed(frames).function == "barrier"
-    assert describe(frames) == "in barrier (distributed_c10d.py:4800)"
+    assert describe(frames) == "in barrier (distributed_c10d.py:4800), called from <cell>:3"
 
 
 FORKED_ENGINE_DUMP = """\
@@ -134,7 +134,9 @@ def test_rank_died_and_interrupted_messages():
     assert describe_exit(3) == "exit code 3" and describe_exit(None) == "exit status unknown"
     interrupted = RankInterrupted([0, 1], {0: "in barrier (x.py:1)"}, [0])
     assert interrupted.needs_restart
-    assert "must be restarted" in str(interrupted)
+    assert "must be restarted" in str(interrupted) and "pool.restart()" in str(interrupted)
+    assert "%fsdp restart" in interrupted.notebook_message()
+    assert "pool.restart()" not in interrupted.notebook_message()
     assert isinstance(interrupted, KeyboardInterrupt)
 
 

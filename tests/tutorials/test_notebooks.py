@@ -6,7 +6,15 @@ after the replacements in ``sanitize.cfg`` (pids, hosts, ports, paths, times).  
 JUnit report must show every code cell of every notebook as passed, so a notebook that is
 not collected (or a cell that is skipped) fails this test.
 
-Every process of the run carries a marker in its environment; after the run no process
+The run happens twice: with the CPU kernels torch and MKL pick for this machine, and with
+the lowest kernel paths both offer (``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE``).
+Float results differ between kernel paths in their last digits (another machine's CPU
+takes another path), so the stored outputs show computed numbers only to digits that every
+path agrees on; the second run proves it on any machine, since the lowest path differs
+from the native one everywhere.  Every notebook prints computed floats, so both runs cover
+all of them.
+
+Every process of a run carries a marker in its environment; after the run no process
 with that marker may be alive (the notebooks stop their pools; nothing may leak).
 
 To refresh the stored outputs after a deliberate change, re-execute the notebook the same
@@ -15,7 +23,6 @@ way: ``IPP_NONINTERACTIVE=1 .venv/bin/jupyter execute --inplace notebooks/NN_nam
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +34,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from fsdp_interactive.pool._pids import end_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -53,17 +62,6 @@ def processes_with_marker(value: str) -> list[psutil.Process]:
     return found
 
 
-def end_processes(processes: list[psutil.Process]) -> None:
-    """End processes this test started (found by its marker), by pid."""
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=5)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-
-
 def passed_cells(report: Path) -> dict[str, int]:
     """Passed test items per notebook file name, from the JUnit report."""
     counts: dict[str, int] = {}
@@ -75,15 +73,22 @@ def passed_cells(report: Path) -> dict[str, int]:
     return counts
 
 
+KERNEL_PATHS = {
+    "native-kernels": {},
+    "lowest-kernels": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+}
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path):
+@pytest.mark.parametrize("kernels", list(KERNEL_PATHS.values()), ids=list(KERNEL_PATHS))
+def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path, kernels):
     notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
     assert notebooks, f"no notebooks in {NOTEBOOKS}"
     report = tmp_path / "nbval.xml"
     marker = uuid.uuid4().hex
     # IPP_NONINTERACTIVE: %%fsdp shows rank outputs when a cell ends, grouped in rank order,
     # instead of streaming them in arrival order (as ipyparallel's %%px does for nbval).
-    env = {**os.environ, MARKER: marker, "IPP_NONINTERACTIVE": "1"}
+    env = {**os.environ, **kernels, MARKER: marker, "IPP_NONINTERACTIVE": "1"}
     command = [
         sys.executable,
         "-m",
@@ -113,7 +118,8 @@ def test_every_notebook_runs_and_reproduces_its_outputs(tmp_path):
         time.sleep(1)  # let exiting engines finish their shutdown
         leaked = processes_with_marker(marker)
         leaked_desc = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in leaked if p.is_running()]
-        end_processes(leaked)
+        # by pid and start time, as found (psutil.Process keeps the start time it saw)
+        end_processes({p.pid: p.create_time() for p in leaked})
     output = run.stdout[-20000:] + run.stderr[-5000:]
     assert run.returncode == 0, f"nbval failed:\n{output}"
     assert not leaked_desc, f"processes left running after the notebooks: {leaked_desc}"

@@ -1,7 +1,8 @@
 """Model and optimizer state as plain nested dicts keyed by clean parameter FQNs.
 
 Thin layer over ``torch.distributed.checkpoint.state_dict`` (``get/set_model_state_dict``,
-``get/set_optimizer_state_dict``, ``StateDictOptions``): no hand-written gathers.
+``get/set_optimizer_state_dict``, ``StateDictOptions``): no hand-written gathers. Used by
+the FSDP1 optimizer-state-dict family and by checkpoints.
 
 What this layer adds:
 
@@ -13,16 +14,14 @@ What this layer adds:
   running a zero-lr ``step()`` (Adam's step counter becomes 1). When the optimizer has no
   state yet, :func:`optimizer_state` returns ``{"state": {}, "param_groups": [...]}``
   without touching it, as torch FSDP1 does.
-* **Raw mode.** :func:`raw_state_dict` suspends the FSDP1-style ``state_dict`` hooks of
-  :mod:`fsdp_interactive.fsdp._state_dict_utils`, so checkpoints always see the native
-  sharded (DTensor) state whatever ``state_dict_type`` is active.
+* **Native state whatever the state-dict type.** Every read and write runs inside
+  :func:`~fsdp_interactive.fsdp._raw_state_dict.raw_state_dict`, so the FSDP1-style
+  hooks never reshape what these functions see.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,32 +32,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
-_FQN_MODIFIERS = "_fqn_modifiers"
-_raw = threading.local()
-
-
-@contextlib.contextmanager
-def raw_state_dict() -> Iterator[None]:
-    """Within this context ``module.state_dict()`` returns the native (DTensor) state."""
-    depth = getattr(_raw, "depth", 0)
-    _raw.depth = depth + 1
-    try:
-        yield
-    finally:
-        _raw.depth = depth
-
-
-def hooks_suspended() -> bool:
-    """True inside :func:`raw_state_dict` (on this thread)."""
-    return getattr(_raw, "depth", 0) > 0
+from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, get_fqns, set_optimizer_state_dict
+from fsdp_interactive.fsdp._raw_state_dict import raw_state_dict
 
 
 def _hidden_children(module: nn.Module) -> set[str]:
-    modifiers = getattr(module, _FQN_MODIFIERS, None)
+    modifiers = getattr(module, FQN_MODIFIERS_METHOD, None)
     if modifiers is None or not callable(modifiers):
         return set()
     return set(modifiers().values())
@@ -90,34 +72,35 @@ def param_fqns(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _fqn_by_param_id(model: nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> clean FQN (a shared parameter keeps its first name)."""
+    names = param_fqns(model)
+    by_id: dict[int, str] = {}
+    for raw_name, param in nn.Module.named_parameters(model, remove_duplicate=False):
+        by_id.setdefault(id(param), names[raw_name])
+    return by_id
+
+
 def dcp_param_keys(model: nn.Module) -> dict[str, str]:
     """Key DCP's optimizer helpers use for a parameter -> clean FQN.
 
     DCP derives its keys from ``model.named_parameters()`` (which a wrapper class may
     already clean) through its FQN resolution; both spellings map to the clean FQN.
     """
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - older/newer torch without the helper
-        _get_fqns = None
-    names = param_fqns(model)
-    clean_by_id = {}
-    for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
-        clean_by_id.setdefault(id(param), names[raw])
+    clean_by_id = _fqn_by_param_id(model)
     out = {}
     for name, param in model.named_parameters():
-        keys = _get_fqns(model, name) if _get_fqns is not None else {name}
-        for key in keys:
+        for key in get_fqns(model, name):
             out[key] = clean_by_id.get(id(param), key)
     return out
 
 
-def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Clean FQNs of each param group's parameters, in the optimizer's order."""
-    names = param_fqns(model)
-    by_id = {}
-    for raw_name, param in nn.Module.named_parameters(model, remove_duplicate=False):
-        by_id.setdefault(id(param), names[raw_name])
+def optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Clean FQNs of each param group's parameters, in the optimizer's order.
+
+    ``ValueError`` if the optimizer holds a parameter that is not one of the model's.
+    """
+    by_id = _fqn_by_param_id(model)
     groups = []
     for group in optimizer.param_groups:
         try:
@@ -129,31 +112,27 @@ def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -
     return groups
 
 
-def optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Public twin of the FQN lists per param group (used to validate loads)."""
-    return _optimizer_param_names(model, optimizer)
-
-
 def _has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(bool(s) for s in optimizer.state.values())
 
 
-def _map_tensors(obj: Any, fn) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
+        return [map_tensors(v, fn) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_map_tensors(v, fn) for v in obj)
+        return tuple(map_tensors(v, fn) for v in obj)
     return obj
 
 
 def to_cpu(obj: Any) -> Any:
     """Copy every tensor in a nested structure to CPU (DTensors become plain tensors only
     if they already are; sharding is kept)."""
-    return _map_tensors(obj, lambda t: t.cpu())
+    return map_tensors(obj, lambda t: t.cpu())
 
 
 def model_state(
@@ -191,7 +170,7 @@ def optimizer_state(
     ``full`` / ``cpu_offload`` / ``rank0_only`` like :func:`model_state`.
     """
     if not _has_state(optimizer):
-        groups = _optimizer_param_names(model, optimizer)
+        groups = optimizer_param_groups(model, optimizer)
         param_groups = []
         for group, names in zip(optimizer.state_dict()["param_groups"], groups, strict=True):
             param_groups.append({**group, "params": list(names)})
@@ -240,7 +219,7 @@ def _detach_from(obj: Any, live: set[int]) -> Any:
             return t.detach().clone()
         return t
 
-    return _map_tensors(obj, copy_if_live)
+    return map_tensors(obj, copy_if_live)
 
 
 def apply_model_state(
@@ -278,19 +257,6 @@ def apply_optimizer_state(
             raw_state,
             options=StateDictOptions(full_state_dict=full, strict=False),
         )
-
-
-def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
-    """Same structure, fresh uninitialised tensors (DTensors keep their sharding)."""
-    return _map_tensors(state, torch.empty_like)
-
-
-def global_shape(value: torch.Tensor) -> tuple[int, ...]:
-    return tuple(value.shape)
-
-
-def is_dtensor(value: Any) -> bool:
-    return isinstance(value, DTensor)
 
 
 def _rank() -> int:

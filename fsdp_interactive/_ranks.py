@@ -1,15 +1,14 @@
-"""Small rank-agreement helpers over a process group (or none: a single process).
+"""Rank agreement over a process group (or none: a single process); rank side.
 
-Every checkpoint step that can fail on one rank (a bad path, a corrupt file) is turned
-into a verdict all ranks share, so they raise the same error together instead of
-leaving peers blocked in a collective.
+A step that can fail on one rank (a bad path, a corrupt file) is turned into a verdict
+all ranks share, so they raise the same error together instead of leaving peers blocked
+in the next collective. Objects travel with ``all_gather_object`` /
+``broadcast_object_list``: meant for small plain data, not tensors of real size.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -18,15 +17,20 @@ T = TypeVar("T")
 
 
 class Ranks:
-    """The ranks taking part in one save or load (``group=None``: the default group)."""
+    """The ranks of ``group`` (``None``: the default group) as seen from this rank.
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.distributed = dist.is_available() and dist.is_initialized()
+    Without an initialised process group (or with ``local=True``) it is one rank of a
+    world of one, and every collective is a no-op.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, local: bool = False):
+        self.distributed = not local and dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.size = dist.get_world_size(group) if self.distributed else 1
 
     def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
         if not self.distributed or self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
@@ -34,6 +38,7 @@ class Ranks:
         return out
 
     def from_rank0(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
         if not self.distributed or self.size == 1:
             return obj
         box = [obj if self.rank == 0 else None]
@@ -58,16 +63,6 @@ class Ranks:
 
     def agree(self, error: Exception | None) -> None:
         """Raise the lowest rank's error on every rank if any rank has one."""
-        errors = self.all_gather(error)
-        for err in errors:
+        for err in self.all_gather(error):
             if err is not None:
                 raise err
-
-
-@contextlib.contextmanager
-def single_process_quietly() -> Iterator[None]:
-    """Silence DCP's "assuming the intent is to save/load in a single process" warning,
-    which is expected when no process group exists (one-process use, conversions)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

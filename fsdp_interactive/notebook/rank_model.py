@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_interactive.inspect._records import (
+from fsdp_interactive.inspect import (
     GradNormRecord,
     GradNorms,
     MemoryStats,

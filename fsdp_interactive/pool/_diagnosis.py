@@ -1,0 +1,319 @@
+"""What the pool tells about its ranks when a call does not end normally.
+
+Reports, each built from what the ranks' diagnostics agents answer over the network
+(:mod:`._agent_client`; local and remote ranks alike, nothing is read from a file):
+
+* stacks (:meth:`Diagnosis.stacks`): every rank's user thread as a traceback with
+  source lines (and, on request, py-spy's native frames). A rank whose agent does not
+  answer (a thread holds the GIL in C code) is asked through the fallback: the pool
+  signals it (:data:`~._rank_agent.STACK_SIGNAL`, through ipyparallel's nanny) and its
+  faulthandler writes the stack into the rank's fault link from the C signal handler;
+  such stacks say so and carry no source lines except for cell code;
+* collectives (:meth:`Diagnosis.trace`): every rank's flight-recorder entries and the
+  one-line diagnosis where ranks disagree (:mod:`._collectives`);
+* a timeout (:meth:`Diagnosis.timeout_error`): where every rank is, the diagnosis, the
+  last collectives and the stacks of the ranks still running;
+* a death (:meth:`Diagnosis.death_error`): exit status and last output lines of each
+  dead rank, asked of the launcher of its engine (:class:`~._processes.EngineProcess`);
+* an interrupt (:meth:`Diagnosis.interrupt_error`, :func:`interrupted_on_ranks`): which
+  ranks did not stop (and where they are) and whether one was inside
+  ``torch.distributed`` (then the group must be restarted).
+
+Not done here: deciding when to report (the waiting in :mod:`._dispatch` does) or acting
+on a report (the pool tears down a group that lost a rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_interactive.pool._agent_client import RankAgents
+from fsdp_interactive.pool._collectives import RecorderDump, diagnose, table_text
+from fsdp_interactive.pool._rank_agent import STACK_SIGNAL
+from fsdp_interactive.pool._stacks import (
+    Frame,
+    describe,
+    format_stack,
+    in_distributed,
+    user_frames,
+    user_stack,
+    with_cell_sources,
+)
+from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.errors import RankDied, RankInterrupted, RankTimeout, strip_ansi
+
+log = logging.getLogger(__name__)
+
+_SIGNAL_WAIT_S = 3.0
+_NATIVE_TIMEOUT_S = 90.0
+#: Collectives per group shown in a timeout's message (the recorder keeps more).
+_TIMEOUT_TABLE_ROWS = 6
+
+#: ``signal(ranks, signal number)``: how the diagnosis reaches the ranks.
+Signaller = Callable[[list[int], int], None]
+
+
+def traceback_text(exc: BaseException) -> str:
+    """Plain text of an exception's traceback: the rank's own for a remote error."""
+    remote = getattr(exc, "traceback", None)
+    if isinstance(remote, str) and remote:
+        return strip_ansi(remote)
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def mentions_distributed(traceback_text: str) -> bool:
+    """Whether a traceback passes through ``torch.distributed``."""
+    return "torch/distributed/" in traceback_text.replace("\\", "/")
+
+
+@dataclass(frozen=True)
+class StackReport:
+    """Every asked rank's stack at one moment.
+
+    ``stacks``: traceback-order text; ``where``: one line each; ``frames``: the parsed
+    user frames (innermost first; absent without any answer); ``source``: how each stack
+    came (``"agent"``, ``"signal"``, or ``"none"``); ``native``: py-spy's text (or why
+    there is none) when native frames were asked for; ``traces``: flight-recorder dumps
+    when asked for; ``seconds``: how long each rank took to answer its agent.
+    """
+
+    stacks: dict[int, str]
+    where: dict[int, str]
+    frames: dict[int, list[Frame]]
+    source: dict[int, str] = field(default_factory=dict)
+    native: dict[int, str] = field(default_factory=dict)
+    traces: dict[int, RecorderDump] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Diagnosis:
+    """Reports on the ranks of one running group (``records`` in rank order).
+
+    ``agents``: the ranks' diagnostics agents; ``thread_ids``: each rank's user thread
+    (to pick its block out of a faulthandler dump); ``signal(ranks, sig)``: how ranks are
+    signalled.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[RankRecord],
+        *,
+        agents: RankAgents,
+        thread_ids: Mapping[int, int],
+        signal: Signaller,
+    ) -> None:
+        self._records = list(records)
+        self.agents = agents
+        self._thread_ids = dict(thread_ids)
+        self._signal = signal
+
+    def stacks(
+        self,
+        code: str | None = None,
+        ranks: Sequence[int] | None = None,
+        *,
+        cell: str | None = None,
+        native: bool = False,
+        trace: int | None = None,
+    ) -> StackReport:
+        """The current stack of ``ranks`` (default: all), without stopping any.
+
+        ``code``/``cell``: the source and label ("Cell In[15]") of the cell the ranks run,
+        to complete fallback stacks; ``native``: add py-spy's frames; ``trace``: also fetch
+        the last ``trace`` flight-recorder entries in the same round trip.
+        """
+        ranks = [r.rank for r in self._records] if ranks is None else list(ranks)
+        request: dict[str, Any] = {"op": "stacks", "native": native, "trace": trace}
+        began = time.monotonic()
+        replies = self.agents.ask(ranks, request, _NATIVE_TIMEOUT_S if native else None)
+        seconds = time.monotonic() - began
+        report = StackReport({}, {}, {}, seconds=seconds)
+        for rank, reply in replies.items():
+            user = next((t for t in reply["threads"] if t.user), None)
+            frames = user_frames(user.frames) if user is not None else []
+            report.frames[rank] = frames
+            report.source[rank] = "agent"
+            if native:
+                report.native[rank] = reply.get("native") or f"({reply.get('native_error')})"
+            if reply.get("trace") is not None:
+                report.traces[rank] = reply["trace"]
+        silent = [rank for rank in ranks if rank not in replies]
+        if silent:
+            log.debug("ranks %s did not answer their agents; signalling them", silent)
+            dumps = self.agents.signal_dumps(
+                silent, lambda rs: self._signal(rs, STACK_SIGNAL), _SIGNAL_WAIT_S
+            )
+            for rank, dump in dumps.items():
+                frames = user_stack(dump, self._thread_ids.get(rank))
+                report.frames[rank] = with_cell_sources(frames, code, cell)
+                report.source[rank] = "signal"
+        for rank in ranks:
+            if rank not in report.frames:
+                report.source[rank] = "none"
+                report.stacks[rank] = (
+                    f"(no stack: rank {rank} answered neither its diagnostics agent nor the "
+                    "stack signal)"
+                )
+                report.where[rank] = "unknown: no answer from the rank"
+                continue
+            frames = report.frames[rank]
+            text = format_stack(frames) if frames else "  (idle: no user code running)"
+            if report.source[rank] == "signal":
+                text = (
+                    "  (from the stack signal: the rank's agent did not answer, so a thread "
+                    "may hold the GIL; no source lines outside the cell)\n" + text
+                )
+            report.stacks[rank] = text
+            report.where[rank] = describe(frames, code)
+        return report
+
+    def trace(
+        self, ranks: Sequence[int] | None = None, last: int | None = None, issued_at: bool = False
+    ) -> dict[int, Any]:
+        """Every asked rank's flight-recorder dump (ranks that did not answer are missing)."""
+        ranks = [r.rank for r in self._records] if ranks is None else list(ranks)
+        request = {"op": "trace", "last": last, "issued_at": issued_at}
+        replies = self.agents.ask(ranks, request, _NATIVE_TIMEOUT_S if issued_at else None)
+        return {rank: reply["trace"] for rank, reply in replies.items()}
+
+    def timeout_error(
+        self,
+        pending: list[int],
+        limit: str,
+        code: str | None,
+        wait: Callable[[float | None], Any],
+        *,
+        cell: str | None = None,
+        native: bool = False,
+        targets: Sequence[int] | None = None,
+    ) -> RankTimeout:
+        """The error for a call whose ``pending`` ranks did not finish within ``limit``."""
+        began = time.monotonic()
+        report = self.stacks(code=code, cell=cell, native=native, trace=64)
+        where = dict(report.where)
+        targeted = set(targets) if targets is not None else set(where)
+        finished = [rank for rank in where if rank not in pending and rank in targeted]
+        for rank in where:
+            if rank not in pending:
+                state = "finished this run" if rank in targeted else "not part of this run"
+                where[rank] = (
+                    f"{state}; {'idle' if where[rank].startswith('idle') else 'now ' + where[rank]}"
+                )
+        lines = [
+            f"ranks {pending} did not finish within {limit}; they are still running:"
+            if len(pending) > 1
+            else f"rank {pending[0]} did not finish within {limit}; it is still running:"
+        ]
+        lines += [f"  rank {r}: {where[r]}" for r in sorted(where)]
+        findings = diagnose(
+            report.traces, finished, {r: report.where[r] for r in pending if r in report.where}
+        )
+        lines += [f"collectives: {finding}" for finding in findings]
+        tail = []
+        for rank in pending:
+            tail.append(f"--- rank {rank} stack (most recent call last) ---\n{report.stacks[rank]}")
+            if native:
+                tail.append(
+                    f"--- rank {rank} native stack (py-spy) ---\n{report.native.get(rank, '')}"
+                )
+        table = table_text(report.traces, last=_TIMEOUT_TABLE_ROWS)
+        if table:
+            tail.append("--- last collectives of every rank (flight recorder) ---\n" + table)
+        log.debug("timeout report built in %.3fs", time.monotonic() - began)
+        return RankTimeout(
+            "\n".join(lines),
+            "\n".join(tail),
+            report.stacks,
+            where,
+            pending,
+            wait,
+            collectives=report.traces,
+            diagnosis=findings,
+            native=report.native,
+        )
+
+    def death_error(self, dead: list[int], engine_of: Callable[[int], Any]) -> RankDied:
+        """The error for ranks ``dead``; ``engine_of(pid)`` gives the
+        :class:`~._processes.EngineProcess` of a pid (``None``: not started by the pool,
+        whose exit status is then unknown)."""
+        records = {r.rank: r for r in self._records}
+        tails: dict[int, str] = {}
+        codes: dict[int, int | None] = {}
+        for rank in dead:
+            engine = engine_of(records[rank].pid)
+            tails[rank] = engine.output_tail() if engine is not None else ""
+            codes[rank] = engine.exit_code() if engine is not None else None
+        log.debug("ranks %s died; exit statuses %s", dead, codes)
+        return RankDied(
+            dead,
+            codes,
+            tails,
+            hosts={rank: records[rank].host for rank in dead},
+            pids={rank: records[rank].pid for rank in dead},
+        )
+
+    def blocked_in_collective(
+        self, ranks: Sequence[int], code: str | None = None
+    ) -> dict[int, str]:
+        """Those of ``ranks`` that sit inside ``torch.distributed``, with where they are."""
+        if not ranks:
+            return {}
+        report = self.stacks(code=code, ranks=ranks)
+        return {
+            rank: report.where[rank]
+            for rank in ranks
+            if in_distributed(report.frames.get(rank, [])) is not None
+        }
+
+    def interrupt_error(
+        self, signalled: list[int], handles: Mapping[int, Any], code: str | None
+    ) -> RankInterrupted:
+        """The error for a call whose ``signalled`` ranks got SIGINT: which ranks did not
+        stop (and where they are) and which were inside ``torch.distributed``."""
+        stuck_ranks = [rank for rank, handle in handles.items() if not handle.ready()]
+        stuck: dict[int, str] = {}
+        in_collective: list[int] = []
+        if stuck_ranks:
+            report = self.stacks(code=code, ranks=stuck_ranks)
+            stuck = {rank: report.where[rank] for rank in stuck_ranks}
+            in_collective += [
+                rank
+                for rank in stuck_ranks
+                if in_distributed(report.frames.get(rank, [])) is not None
+            ]
+        for rank, handle in handles.items():
+            if rank in stuck_ranks:
+                continue
+            exc = _exception_of(handle)
+            if exc is not None and mentions_distributed(traceback_text(exc)):
+                in_collective.append(rank)
+        log.debug(
+            "interrupt: ranks %s did not stop; inside torch.distributed: %s",
+            stuck_ranks,
+            in_collective,
+        )
+        return RankInterrupted(signalled, stuck, sorted(set(in_collective)))
+
+    def close(self) -> None:
+        self.agents.close()
+
+
+def interrupted_on_ranks(tracebacks: Mapping[int, str]) -> RankInterrupted:
+    """The error for ranks that all raised KeyboardInterrupt (SIGINT reached them from
+    ``pool.interrupt()`` or elsewhere while the call was awaited)."""
+    in_collective = [rank for rank, text in tracebacks.items() if mentions_distributed(text)]
+    return RankInterrupted(sorted(tracebacks), {}, in_collective)
+
+
+def _exception_of(handle: Any) -> BaseException | None:
+    """The exception a finished call raised on its rank (``None``: it succeeded)."""
+    try:
+        handle.get(0)
+    except Exception as exc:
+        return exc
+    return None

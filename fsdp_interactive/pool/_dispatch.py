@@ -1,0 +1,419 @@
+"""Sending calls to ranks and waiting for them: targets, busy ranks, one pending call,
+and reaching the ranks' processes (liveness, signals).
+
+:class:`PendingCall` is one call dispatched to some ranks (one ipyparallel AsyncResult
+per rank). Waiting for it streams the ranks' output, arms the hang watchdog, checks
+that the ranks live, and turns Ctrl-C into SIGINT for the ranks; every outcome other
+than success becomes an exception of :mod:`.errors`, built by :mod:`._diagnosis`.
+
+* Death: whenever a wait for progress runs out, the pool is asked for dead ranks (an
+  engine that left the controller, whose nanny reports an exit at once, or a local
+  engine process that ended); any found make the pool tear the group down and raise.
+* Timeout: the ranks are not stopped; the error carries their stacks and a ``wait``
+  that resumes this same wait.
+* Interrupt: engines run in their own session, so a notebook interrupt reaches only
+  the kernel; the call forwards SIGINT to the ranks still running it, waits
+  ``interrupt_grace`` seconds, and reports ranks that did not stop, with where they are.
+* Debugger prompts: a rank stopped at ``fsdp_interactive.breakpoint()`` sends its
+  prompt over its agent's event link; the waiting loop shows the debugger's output,
+  asks the user with ``input()`` (in a notebook: the input box, through the kernel's
+  stdin channel) and sends the command back. Time spent at the prompt does not count
+  against the call's timeout.
+
+Calls that timed out or were interrupted but still run are remembered
+(:class:`Unfinished`), so new work is refused instead of queueing silently behind them.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from fsdp_interactive.pool._diagnosis import Diagnosis, interrupted_on_ranks, traceback_text
+from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter
+from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.errors import RESTART, PoolBusy, RankError, strip_ansi
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_OUTPUT_GRACE_S = 2.0
+
+Targets = int | Sequence[int] | str | None
+
+
+def resolve_targets(targets: Targets, world_size: int) -> list[int]:
+    """``targets`` (a rank, ranks, ``"all"`` or ``None``) as a sorted list of ranks."""
+    if targets is None or targets == "all":
+        return list(range(world_size))
+    if isinstance(targets, bool | str):
+        raise ValueError(f"targets must be a rank, a list of ranks or 'all', got {targets!r}")
+    chosen = [targets] if isinstance(targets, int) else list(targets)
+    bad = [
+        t
+        for t in chosen
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < world_size
+    ]
+    if bad or not chosen:
+        raise ValueError(
+            f"targets must be ranks in 0..{world_size - 1} (or 'all'), got {targets!r}"
+        )
+    return sorted(set(chosen))
+
+
+def check_timeout(timeout: Any) -> None:
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+class Unfinished:
+    """Per-rank handles of calls that timed out or were interrupted but still run, and
+    which of those ranks are known to be blocked inside a collective."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, list[Any]] = {}
+        self.blocked: set[int] = set()
+
+    def remember(self, handles: Mapping[int, Any]) -> None:
+        for rank, handle in handles.items():
+            if not handle.ready():
+                self._handles.setdefault(rank, []).append(handle)
+
+    def busy_ranks(self) -> list[int]:
+        """Ranks with such a call still running."""
+        self._handles = {
+            rank: [h for h in handles if not h.ready()] for rank, handles in self._handles.items()
+        }
+        busy = sorted(rank for rank, handles in self._handles.items() if handles)
+        self.blocked &= set(busy)
+        return busy
+
+    def handles(self, rank: int) -> list[Any]:
+        return list(self._handles.get(rank, []))
+
+    def refuse_if_busy(self) -> None:
+        """Raise :class:`PoolBusy` when any rank still runs such a call."""
+        busy = self.busy_ranks()
+        if busy:
+            raise PoolBusy(busy, sorted(self.blocked))
+
+    def clear(self) -> None:
+        self._handles = {}
+        self.blocked = set()
+
+
+@dataclass(frozen=True)
+class InterruptReport:
+    """What ``pool.interrupt()`` did, per targeted rank.
+
+    ``stopped``: ranks whose unfinished call ended after SIGINT; ``blocked``: ranks
+    still inside a collective (where they are), which SIGINT cannot free (the signal is
+    handled only once the C++ call returns) and only a restart does; ``running``: ranks
+    that had not stopped yet, elsewhere; ``idle``: ranks that ran no call the pool was
+    waiting for (they were signalled too).
+    """
+
+    signalled: list[int]
+    stopped: list[int] = field(default_factory=list)
+    blocked: dict[int, str] = field(default_factory=dict)
+    running: dict[int, str] = field(default_factory=dict)
+    idle: list[int] = field(default_factory=list)
+
+    @property
+    def needs_restart(self) -> bool:
+        return bool(self.blocked)
+
+    def lines(self, notebook: bool = False) -> list[str]:
+        """One line per rank, then what to do when a rank stays blocked."""
+        status = {rank: "stopped" for rank in self.stopped}
+        status.update({rank: "was idle (nothing to stop)" for rank in self.idle})
+        status.update(
+            {
+                rank: f"did not stop: blocked in a collective, {where}"
+                for rank, where in self.blocked.items()
+            }
+        )
+        status.update(
+            {rank: f"has not stopped yet: {where}" for rank, where in self.running.items()}
+        )
+        lines = [f"rank {rank}: {status[rank]}" for rank in sorted(status)]
+        if self.blocked:
+            lines.append(
+                "A rank blocked inside a collective cannot be interrupted (it sees the signal "
+                "only when the collective returns); only a restart frees it: "
+                + RESTART.render(notebook).replace("start a fresh group with ", "")
+                + " (rank state is discarded)."
+            )
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+@dataclass(frozen=True)
+class RankWatch:
+    """What a pending call needs of the pool while it waits.
+
+    ``dead_ranks()`` lists ranks whose process is gone; ``fail_dead(ranks)`` tears the
+    group down and raises :class:`~.errors.RankDied`; ``signal(ranks, sig)`` reaches
+    ranks through their nannies; ``needs_restart()`` marks the group as one that an
+    interrupt left in an undefined state; ``purge(handles)`` drops the client's cached
+    results.
+    """
+
+    dead_ranks: Callable[[], list[int]]
+    fail_dead: Callable[[list[int]], NoReturn]
+    signal: Callable[[list[int], int], None]
+    diagnosis: Diagnosis
+    unfinished: Unfinished
+    needs_restart: Callable[[], None]
+    purge: Callable[[list[Any]], None]
+    interrupt_grace: float
+
+
+def ask_user(prompt: str) -> str:
+    """``input(prompt)`` as the running shell provides it (a notebook's input box in a
+    Jupyter kernel, which replaces ``builtins.input`` while a cell runs)."""
+    return builtins.input(prompt)
+
+
+class PendingCall:
+    """One call dispatched to ranks, to be waited for once (or again after a timeout).
+
+    ``handles`` maps rank -> single-engine AsyncResult, in rank order. ``stream``: pass
+    output to ``on_output(rank, stream, text)`` while the ranks run (default: print it
+    tagged ``[rank N]``). ``code``: the cell source, quoted in stack summaries;
+    ``cell``: its label ("Cell In[15]"). ``native``: a timeout's report adds py-spy's
+    native frames. ``finish``: turns the per-rank results into the value :meth:`wait`
+    returns. ``prompt(text)``: how a debugger prompt asks the user (default:
+    :func:`ask_user`).
+    """
+
+    def __init__(
+        self,
+        handles: dict[int, Any],
+        *,
+        watch: RankWatch,
+        stream: bool = False,
+        on_output: OutputSink | None = None,
+        code: str | None = None,
+        cell: str | None = None,
+        native: bool = False,
+        finish: Callable[[list[Any]], Any] | None = None,
+        prompt: Callable[[str], str] | None = None,
+    ) -> None:
+        self.handles = handles
+        self._watch = watch
+        self._code = code
+        self._cell = cell
+        self._native = native
+        self._finish = finish
+        self._prompt = prompt or ask_user
+        self._printer = TaggedPrinter() if stream and on_output is None else None
+        sink = on_output or self._printer
+        self._pump: Callable[[], None] = (
+            OutputPump(handles, sink) if stream and sink is not None else _nothing
+        )
+
+    def pending_ranks(self) -> list[int]:
+        return [rank for rank, handle in self.handles.items() if not handle.ready()]
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for every rank, up to ``timeout`` seconds (``None``: no limit).
+
+        Returns ``finish(per-rank results)`` (the plain list without ``finish``). Raises
+        RankTimeout, RankDied, RankInterrupted or RankError.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                pending = self.pending_ranks()
+                self._pump()
+                if not pending:
+                    break
+                prompted = self._serve_prompts()
+                if end is not None:
+                    end += prompted
+                if end is not None and time.monotonic() > end:
+                    self._watch.unfinished.remember(self.handles)
+                    raise self._watch.diagnosis.timeout_error(
+                        pending,
+                        f"{timeout:g}s",
+                        self._code,
+                        self.wait,
+                        cell=self._cell,
+                        native=self._native,
+                        targets=list(self.handles),
+                    )
+                self.handles[pending[0]].wait(_POLL_S)
+                if self.handles[pending[0]].ready():
+                    continue  # progress: liveness is checked only when a wait ran out
+                dead = self._watch.dead_ranks()
+                if dead:
+                    self._watch.fail_dead(dead)
+            for handle in self.handles.values():
+                # stream messages may trail the reply; wait for them briefly
+                handle.wait_for_output(_OUTPUT_GRACE_S)
+            self._pump()
+        except KeyboardInterrupt:
+            self._interrupted()
+        finally:
+            if self._printer is not None:
+                self._printer.flush()
+        results = self._collect()
+        value = self._finish(results) if self._finish is not None else results
+        # Results are handed over once: drop the client's cached copies (tensors pulled
+        # every step would otherwise accumulate in the kernel).
+        self._watch.purge(list(self.handles.values()))
+        return value
+
+    def _serve_prompts(self) -> float:
+        """Answer the debugger prompts ranks sent; the seconds spent waiting for the user."""
+        prompts = self._watch.diagnosis.agents.prompts()
+        if not prompts:
+            return 0.0
+        began = time.monotonic()
+        for message in prompts:
+            self._pump()
+            if self._printer is not None:
+                self._printer.flush()
+            output = str(message.get("output", ""))
+            if output:
+                sys.stdout.write(output if output.endswith("\n") else output + "\n")
+                sys.stdout.flush()
+            if message.get("kind") != "prompt":
+                continue
+            rank = int(message["rank"])
+            try:
+                command = self._prompt(str(message.get("prompt", f"(rank {rank} Pdb) ")))
+            except EOFError:
+                command = "continue"
+            except KeyboardInterrupt:
+                self._watch.diagnosis.agents.answer(rank, "continue")
+                raise
+            except Exception as error:  # no input box here (e.g. a notebook run unattended)
+                print(
+                    f"(no input available here ({type(error).__name__}): rank {rank} continues; "
+                    "fsdp_interactive.breakpoint(..., commands=[...]) runs commands unattended)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                command = "continue"
+            self._watch.diagnosis.agents.answer(rank, command)
+        return time.monotonic() - began
+
+    def _interrupted(self) -> NoReturn:
+        """Ctrl-C while waiting: forward SIGINT, wait for the ranks to stop, report."""
+        watch = self._watch
+        signalled = self.pending_ranks()
+        log.debug("Ctrl-C: forwarding SIGINT to ranks %s", signalled)
+        watch.signal(signalled, signal.SIGINT)
+        end = time.monotonic() + watch.interrupt_grace
+        while time.monotonic() < end and self.pending_ranks():
+            self._pump()
+            if watch.dead_ranks():
+                break
+            time.sleep(_POLL_S)
+        self._pump()
+        dead = watch.dead_ranks()
+        if dead:
+            watch.fail_dead(dead)
+        error = watch.diagnosis.interrupt_error(signalled, self.handles, self._code)
+        if error.needs_restart:
+            watch.needs_restart()
+        watch.unfinished.remember(self.handles)
+        watch.unfinished.blocked |= set(error.in_collective) & set(error.stuck)
+        raise error from None
+
+    def _collect(self) -> list[Any]:
+        """Per-rank results in rank order, or the error the ranks' outcomes amount to."""
+        import ipyparallel as ipp
+
+        results: list[Any] = []
+        tracebacks: dict[int, str] = {}
+        errors: dict[int, tuple[str, str]] = {}
+        died: list[int] = []
+        for rank, handle in self.handles.items():
+            try:
+                results.append(handle.get(0))
+            except ipp.error.EngineError:
+                died.append(rank)
+            except ipp.error.RemoteError as exc:
+                if exc.ename == "EngineError":
+                    died.append(rank)
+                    continue
+                tracebacks[rank] = traceback_text(exc)
+                errors[rank] = (exc.ename, strip_ansi(str(exc.evalue)))
+            except Exception as exc:
+                tracebacks[rank] = traceback_text(exc)
+                errors[rank] = (type(exc).__name__, str(exc))
+        if died:
+            self._watch.fail_dead(died)
+        if tracebacks and all(errors[r][0] == "KeyboardInterrupt" for r in tracebacks):
+            error = interrupted_on_ranks(tracebacks)
+            if error.needs_restart:
+                self._watch.needs_restart()
+            raise error
+        if tracebacks:
+            raise RankError(tracebacks, errors)
+        return results
+
+
+def dead_ranks(
+    client: Any, records: Sequence[RankRecord], engine_of: Callable[[int], Any]
+) -> list[int]:
+    """Ranks whose engine left the controller (its nanny reports an exit at once) or
+    whose process ended; ``engine_of(pid)`` gives the pool's
+    :class:`~._processes.EngineProcess` for a pid (``None``: not started by the pool)."""
+    registered = set(client.ids)
+    dead = []
+    for record in records:
+        engine = engine_of(record.pid)
+        unregistered = record.engine_id not in registered
+        exited = engine is not None and not engine.alive()
+        if unregistered or exited:
+            log.debug(
+                "rank %d (pid %d) is dead: %s",
+                record.rank,
+                record.pid,
+                "its process ended" if exited else "its engine left the controller",
+            )
+            dead.append(record.rank)
+    return dead
+
+
+def signal_ranks(
+    client: Any,
+    records: Sequence[RankRecord],
+    ranks: list[int],
+    sig: int,
+    engine_of: Callable[[int], Any],
+) -> None:
+    """Signal ``ranks`` through their engines' nannies; if that fails, through the
+    launchers of the engines the pool started (``engine_of``, as for :func:`dead_ranks`)."""
+    engine_ids = [records[rank].engine_id for rank in ranks]
+    try:
+        client.send_signal(int(sig), targets=engine_ids, block=False).result(5)
+    except Exception:
+        log.debug("signal %d through the nannies failed; using the launchers", sig)
+        for rank in ranks:
+            engine = engine_of(records[rank].pid)
+            if engine is not None:
+                engine.signal(sig)
+
+
+def purge_results(client: Any, handles: list[Any]) -> None:
+    """Drop ``handles``' results from the client's cache (nothing if that fails)."""
+    with contextlib.suppress(Exception):
+        client.purge_local_results(jobs=handles)
+
+
+def _nothing() -> None:
+    return None

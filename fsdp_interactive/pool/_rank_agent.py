@@ -1,0 +1,230 @@
+"""Rank side: the diagnostics agent, a small authenticated server inside every rank.
+
+The kernel learns about a rank through it (stacks, recent collectives, native frames,
+the debugger) while the rank's main thread runs a cell or is blocked inside a C++
+collective, and whether the rank runs on the kernel's host or on another one: nothing
+is read from a file.
+
+Why an agent of our own and not torch's worker server (``torch.distributed.debug``):
+torch's exists only from torch 2.13 (the package supports 2.9 .. 2.14), binds all
+interfaces by default, has no authentication (documented as unsafe on untrusted
+networks), registers itself in the c10d store and serves through an HTTP frontend on
+rank 0 that needs Jinja2 and aiohttp. The pool's channel must also carry the debugger,
+which evaluates code on the rank: it has to be authenticated. This agent is one daemon
+thread per rank, bound to the address the pool uses for that rank (loopback for a
+single-host pool, the rank's cluster address across hosts), and every connection must
+pass an HMAC challenge in both directions (:mod:`._agent_wire`) with a key derived per
+pool start from the cluster's HMAC key, which never travels.
+
+Requests are dicts with an ``"op"``; each connection is served on its own thread, so a
+slow answer (py-spy) does not hold up another:
+
+* ``ping`` -> ``{"pid", "rank"}``;
+* ``stacks`` (``native``: add py-spy's native frames of the user thread; ``trace``: add
+  the last N flight-recorder entries) -> ``{"threads": [ThreadStack], "native",
+  "native_error", "trace": RecorderDump | None}``;
+* ``trace`` (``last``, ``issued_at``: also the line that issued each collective, slow
+  the first time) -> ``{"trace": RecorderDump}``;
+* ``debug`` (``command``) -> one post-mortem pdb command (:mod:`._rank_debugger`);
+* ``fault_link``: this connection becomes the target of faulthandler's dump on
+  :data:`STACK_SIGNAL` (the fallback for a rank whose agent cannot answer because a
+  thread holds the GIL: the C signal handler writes without it);
+* ``event_link``: this connection becomes the rank's line to the kernel, on which a
+  live breakpoint asks for debugger commands.
+
+The agent needs the GIL to answer; a rank whose C code holds the GIL does not answer,
+and the kernel falls back to the signal. Not done: encryption (the channel is
+authenticated, not private, like ipyparallel's own traffic).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fsdp_interactive.pool import _agent_wire
+from fsdp_interactive.pool._thread_stacks import CodeName
+
+log = logging.getLogger(__name__)
+
+#: Signal that makes a rank write every thread's Python stack to its fault link.
+STACK_SIGNAL = signal.SIGUSR1
+
+
+class RankAgent:
+    """One rank's agent: a listening socket and the thread that accepts on it.
+
+    ``user_thread``: ident of the thread that runs user code; ``code_name(filename)``
+    labels notebook cell code; ``rank()`` tells the rank once the group formed.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        authkey: bytes,
+        *,
+        user_thread: int,
+        code_name: CodeName | None = None,
+        rank: Callable[[], int] = lambda: -1,
+    ) -> None:
+        self.authkey = authkey
+        self.user_thread = user_thread
+        self.code_name = code_name
+        self.rank = rank
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(64)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._links: dict[str, Connection] = {}
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="fsdp-interactive-agent", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ serving
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(sock,), name="fsdp-interactive-agent-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            conn = _agent_wire.accept(sock, self.authkey)
+        except Exception as error:  # a peer without the key, or one that went silent
+            log.debug("diagnostics connection refused: %s", error)
+            return
+        try:
+            while True:
+                try:
+                    request = conn.recv()
+                except (EOFError, OSError):
+                    return
+                op = request.get("op") if isinstance(request, dict) else None
+                if op in ("fault_link", "event_link"):
+                    self._keep_link(op, conn)
+                    conn.send({"ok": True})
+                    conn = None  # type: ignore[assignment]  # kept; not closed here
+                    return
+                try:
+                    reply = self._answer(op, request)
+                except Exception as error:
+                    reply = {"error": f"{type(error).__name__}: {error}"}
+                conn.send(reply)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
+        from fsdp_interactive.pool import _rank_debugger, _thread_stacks, _torch_recorder
+
+        if op == "ping":
+            return {"pid": os.getpid(), "rank": self.rank()}
+        if op == "stacks":
+            threads = _thread_stacks.capture(self.user_thread, self.code_name)
+            reply: dict[str, Any] = {"threads": threads, "native": None, "native_error": None}
+            if request.get("native"):
+                user = next((t for t in threads if t.user), None)
+                native_id = user.native_id if user is not None else None
+                reply["native"], reply["native_error"] = _thread_stacks.native_stack(native_id)
+            if request.get("trace") is not None:
+                reply["trace"] = _torch_recorder.dump(request["trace"], self.code_name)
+            return reply
+        if op == "trace":
+            trace = _torch_recorder.dump(
+                request.get("last"), self.code_name, issued_at=bool(request.get("issued_at"))
+            )
+            return {"trace": trace}
+        if op == "debug":
+            return _rank_debugger.post_mortem(request.get("command"), self.code_name)
+        raise ValueError(f"unknown request {op!r}")
+
+    def _keep_link(self, kind: str, conn: Connection) -> None:
+        old = self._links.pop(kind, None)
+        self._links[kind] = conn
+        if kind == "fault_link":
+            # The C handler writes the dump straight into this socket, without the GIL.
+            faulthandler.register(STACK_SIGNAL, file=conn, all_threads=True, chain=False)
+        if old is not None:
+            old.close()
+
+    # ------------------------------------------------------------------ rank-side use
+
+    def event_link(self) -> Connection | None:
+        """The connection on which the kernel answers debugger prompts (None: no kernel)."""
+        return self._links.get("event_link")
+
+    def close(self) -> None:
+        self._closed = True
+        _park_fault_handler()
+        for conn in self._links.values():
+            conn.close()
+        self._links = {}
+        self._sock.close()
+
+
+_AGENT: RankAgent | None = None
+_PARKED: Any = None
+
+
+def _park_fault_handler() -> None:
+    """Keep :data:`STACK_SIGNAL` harmless when no fault link is open (its default action
+    would end the process): the dump then goes nowhere."""
+    global _PARKED
+    if _PARKED is None:
+        _PARKED = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+    faulthandler.register(STACK_SIGNAL, file=_PARKED, all_threads=True, chain=False)
+
+
+def start(
+    host: str,
+    authkey: bytes,
+    *,
+    user_thread: int | None = None,
+    code_name: CodeName | None = None,
+    rank: Callable[[], int] = lambda: -1,
+) -> tuple[str, int]:
+    """Start this process's agent on ``host`` (a fresh port); its ``(host, port)``.
+
+    A running agent is replaced (a restarted pool brings a new key). ``user_thread``
+    defaults to the calling thread.
+    """
+    global _AGENT
+    stop()
+    _park_fault_handler()
+    _AGENT = RankAgent(
+        host,
+        authkey,
+        user_thread=threading.get_ident() if user_thread is None else user_thread,
+        code_name=code_name,
+        rank=rank,
+    )
+    log.debug("diagnostics agent listening on %s:%d", *_AGENT.address)
+    return _AGENT.address
+
+
+def stop() -> None:
+    """Stop this process's agent, if one runs."""
+    global _AGENT
+    if _AGENT is not None:
+        _AGENT.close()
+        _AGENT = None
+
+
+def current() -> RankAgent | None:
+    """This process's agent (None when none runs)."""
+    return _AGENT

@@ -1,0 +1,292 @@
+"""Turning registered engines into one ``torch.distributed`` process group.
+
+The steps after the engines are up (launched by :mod:`._processes`, or those of a
+cluster the pool connected to), each a call on the engines into
+:mod:`._rank_bootstrap`:
+
+1. wait until ``n`` engines registered with the controller;
+2. describe the engines (host, address, pid) and assign ranks (:mod:`._topology`);
+3. rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race);
+4. all ranks start their diagnostics agent (:mod:`._rank_agent`, through the engine
+   hooks of :mod:`._engine_shell`), then call ``init_process_group`` concurrently on
+   the store, count themselves in on it, wait for the full count and check the
+   backend with one ``all_reduce``;
+5. every rank's namespace gets ``torch``, ``dist``, ``rank``, ``world_size``,
+   ``local_rank`` and ``device``.
+
+A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners on
+loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
+listens on all interfaces and each agent on its rank's address. The agents' key is
+derived from the cluster's HMAC key and a nonce that :attr:`Group.nonce` holds (the key
+itself never travels).
+
+Every step is bounded by the start-up timeout and gives up at the first failing engine
+or the first engine process that exits (peers might wait for it forever); the failure
+is a :class:`~.errors.PoolStartError`. Records the ranks log while joining are shown,
+tagged by rank, when the pool has a log level. Not done here: stopping anything on
+failure (the pool stops what it started).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from fsdp_interactive.pool import _engine_shell
+from fsdp_interactive.pool import _rank_bootstrap as rank_side
+from fsdp_interactive.pool._diagnosis import traceback_text
+from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
+from fsdp_interactive.pool._placement import Placement
+from fsdp_interactive.pool._topology import RankRecord, assign_ranks
+from fsdp_interactive.pool.errors import PoolStartError
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_REGISTRATION_POLL_S = 0.1
+
+NAMESPACE_SETUP = """\
+import torch
+import torch.distributed as dist
+from fsdp_interactive.pool._rank_bootstrap import rank_context as _fsdpi_rank_context
+rank, world_size, local_rank, device = _fsdpi_rank_context()
+device = torch.device(device)
+del _fsdpi_rank_context
+"""
+
+
+@dataclass
+class Group:
+    """A formed process group: one record and one view per rank, and what the
+    diagnostics need: each rank's user thread, agent address and flight-recorder note
+    (``None``: it records), and the nonce the agents' key was derived with."""
+
+    records: list[RankRecord] = field(default_factory=list)
+    views: dict[int, Any] = field(default_factory=dict)
+    thread_ids: dict[int, int] = field(default_factory=dict)
+    agents: dict[int, tuple[str, int]] = field(default_factory=dict)
+    recorder_notes: dict[int, str | None] = field(default_factory=dict)
+    nonce: bytes = b""
+
+
+class Rendezvous:
+    """The start-up steps on the engines of ``client``.
+
+    ``timeout`` bounds each step; ``engines_exited()`` lists engine processes of the pool
+    that ended (each with ``pid`` and ``output_tail()``; empty for engines the pool does
+    not own); ``log_level``: the ranks' log level (``None``: leave their logging alone);
+    ``flight_recorder``: ring-buffer entries of torch's flight recorder on each rank
+    (0: off; ``None``: the environment's ``TORCH_FR_BUFFER_SIZE``, else torch's default);
+    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        timeout: float,
+        pg_timeout: float,
+        engines_exited: Callable[[], list[Any]],
+        log_level: int | None = None,
+        flight_recorder: int | None = None,
+        check_collectives: bool = False,
+    ) -> None:
+        self._client = client
+        self._timeout = timeout
+        self._pg_timeout = pg_timeout
+        self._exited = engines_exited
+        self._log_level = log_level
+        self._flight_recorder = flight_recorder
+        self._check_collectives = check_collectives
+
+    def wait_for_engines(self, n: int, deadline: float) -> None:
+        """Wait until ``n`` engines registered (``deadline``: a ``time.monotonic()``)."""
+        began = time.monotonic()
+        while len(self._client.ids) < n:
+            exited = self._exited()
+            if exited:
+                raise PoolStartError(
+                    f"engine process {exited[0].pid} exited before registering; last lines "
+                    "of its log:\n" + exited[0].output_tail()
+                )
+            if time.monotonic() > deadline:
+                raise PoolStartError(
+                    f"only {len(self._client.ids)} of {n} engines registered within "
+                    f"timeout={self._timeout:g}s; everything started was stopped"
+                )
+            time.sleep(_REGISTRATION_POLL_S)
+        log.debug("%d engines registered in %.2fs", n, time.monotonic() - began)
+
+    def form_group(self, n: int, placement: Placement) -> Group:
+        """Make the first ``n`` registered engines ranks of a new default process group."""
+        client = self._client
+        engine_ids = sorted(client.ids)[:n]
+        if self._log_level is not None:
+            self.gather(
+                {
+                    eid: client[eid].apply_async(rank_side.enable_logging, self._log_level)
+                    for eid in engine_ids
+                },
+                "setting the engines' log level",
+            )
+        described = self.gather(
+            {eid: client[eid].apply_async(rank_side.describe_engine) for eid in engine_ids},
+            "describing engines",
+        )
+        slots = assign_ranks(described)
+        group = Group(views={slot.rank: client[slot.engine_id] for slot in slots})
+
+        single_host = len({slot.host for slot in slots}) == 1
+        master_addr = "127.0.0.1" if single_host else slots[0].address
+        bind = "127.0.0.1" if single_host else ""
+        store_timeout = min(self._pg_timeout, self._timeout)
+        port = self.gather(
+            {0: group.views[0].apply_async(rank_side.open_store, bind, n, store_timeout)},
+            "opening the rendezvous store",
+            ranked=True,
+        )[0]
+
+        env = socket_env() if single_host else {}
+        nonce = secrets.token_bytes(16)
+        group.nonce = nonce
+        specs = {
+            slot.rank: {
+                "rank": slot.rank,
+                "world_size": n,
+                "local_rank": slot.local_rank,
+                "local_world_size": slot.local_world_size,
+                "master_addr": master_addr,
+                "master_port": port,
+                "backend": placement.backend,
+                "device": placement.device_for(slot.local_rank),
+                "pg_timeout_s": self._pg_timeout,
+                "env": env,
+                "flight_recorder": self._flight_recorder,
+                "check_collectives": self._check_collectives,
+                "title": f"fsdp-interactive rank {slot.rank}/{n}, pool {nonce.hex()[:8]}",
+                "agent": {"host": bind or slot.address, "nonce": nonce.hex()},
+            }
+            for slot in slots
+        }
+        joined = self.gather(
+            {
+                r: group.views[r].apply_async(_engine_shell.join_pool, spec)
+                for r, spec in specs.items()
+            },
+            "forming the process group",
+            ranked=True,
+        )
+        group.records = [
+            RankRecord(
+                rank=slot.rank,
+                local_rank=slot.local_rank,
+                world_size=n,
+                host=slot.host,
+                pid=slot.pid,
+                device=joined[slot.rank]["device"],
+                backend=joined[slot.rank]["backend"],
+                engine_id=slot.engine_id,
+                address=slot.address,
+            )
+            for slot in slots
+        ]
+        group.thread_ids = {r: joined[r]["thread_id"] for r in joined}
+        group.agents = {r: (joined[r]["agent"][0], int(joined[r]["agent"][1])) for r in joined}
+        group.recorder_notes = {r: joined[r]["recorder_note"] for r in joined}
+        return group
+
+    def set_up_namespaces(self, group: Group) -> None:
+        """Pre-fill every rank's namespace (see :data:`NAMESPACE_SETUP`)."""
+        self.gather(
+            {
+                rank: view.execute(NAMESPACE_SETUP, block=False, silent=False)
+                for rank, view in group.views.items()
+            },
+            "setting up the rank namespaces",
+            ranked=True,
+        )
+
+    def gather(
+        self, handles: Mapping[int, Any], what: str, *, ranked: bool = False
+    ) -> dict[int, Any]:
+        """Results of one start-up step's calls, keyed as ``handles``.
+
+        ``ranked``: the keys are ranks, so the ranks' output can be shown tagged by rank
+        (it is when the pool has a log level). Raises :class:`PoolStartError` at the first
+        failure, at the timeout, or when an engine process exits.
+        """
+        began = time.monotonic()
+        deadline = began + self._timeout
+        printer = TaggedPrinter() if ranked and self._log_level is not None else None
+        pump = OutputPump(handles, printer) if printer is not None else None
+        try:
+            while not all(h.ready() for h in handles.values()):
+                if pump is not None:
+                    pump()
+                if any(h.ready() and not h.successful() for h in handles.values()):
+                    break  # one failure is enough: peers may wait for it forever
+                if time.monotonic() > deadline:
+                    raise PoolStartError(f"timed out after {self._timeout:g}s while {what}")
+                if self._exited():
+                    raise PoolStartError(f"an engine process exited while {what}")
+                time.sleep(_POLL_S)
+            if pump is not None:
+                for handle in handles.values():
+                    handle.wait_for_output(_POLL_S)
+                pump()
+        finally:
+            if printer is not None:
+                printer.flush()
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        for key, handle in handles.items():
+            if not handle.ready():
+                continue
+            try:
+                results[key] = handle.get(0)
+            except Exception as exc:
+                failures[key] = traceback_text(exc)
+        if failures:
+            first = min(failures)
+            raise PoolStartError(f"failed while {what} (rank/engine {first}):\n{failures[first]}")
+        log.debug("%s took %.2fs", what, time.monotonic() - began)
+        return results
+
+
+def connect_client(connect_kwargs: Mapping[str, Any]) -> Any:
+    """An ``ipyparallel.Client`` of a running cluster (found as ``Client`` finds it)."""
+    import ipyparallel as ipp
+
+    try:
+        return ipp.Client(**connect_kwargs)
+    except Exception as exc:
+        raise PoolStartError(f"could not connect to the cluster: {exc}") from exc
+
+
+def leave_group(client: Any, records: list[RankRecord]) -> None:
+    """Make the ranks of a cluster the pool does not own leave the group (best effort)."""
+    ids = [r.engine_id for r in records if r.engine_id in client.ids]
+    client[ids].apply_async(rank_side.leave_group).wait(10)
+
+
+def socket_env() -> dict[str, str]:
+    """Keep gloo's and NCCL's listeners on loopback for a single-host pool."""
+    loopback = None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            loopback = name
+            break
+    env: dict[str, str] = {}
+    if loopback is not None:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in os.environ:
+                env[var] = loopback
+    return env

@@ -1,0 +1,97 @@
+"""The diagnostics agent and its client, in this process: real sockets, real threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from fsdp_interactive.pool import _agent_wire, _rank_agent
+from fsdp_interactive.pool._agent_client import RankAgents
+
+KEY = _agent_wire.derive_key(b"cluster key", b"nonce")
+
+
+def _sleeping_thread(started: threading.Event, stop: threading.Event) -> None:
+    marker = "sleeping here"  # noqa: F841 (a local the stack shows)
+    started.set()
+    while not stop.wait(0.05):
+        pass
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[RankAgents, int]]:
+    started, stop = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_sleeping_thread, args=(started, stop), daemon=True)
+    worker.start()
+    started.wait(5)
+    address = _rank_agent.start("127.0.0.1", KEY, user_thread=worker.ident)
+    agents = RankAgents({0: address}, KEY, timeout=5)
+    try:
+        yield agents, worker.ident
+    finally:
+        agents.close()
+        _rank_agent.stop()
+        stop.set()
+        worker.join(5)
+
+
+def test_key_is_derived_per_nonce_and_needs_a_cluster_key():
+    assert _agent_wire.derive_key(b"k", b"a") != _agent_wire.derive_key(b"k", b"b")
+    assert len(KEY) == 32
+    with pytest.raises(ValueError, match="HMAC key"):
+        _agent_wire.derive_key(b"", b"a")
+
+
+def test_agent_answers_stacks_of_every_thread_with_source_lines(agent):
+    agents, user_thread = agent
+    reply = agents.ask([0], {"op": "stacks"})[0]
+    user = [t for t in reply["threads"] if t.user]
+    assert len(user) == 1 and user[0].ident == user_thread
+    sources = [f.source for f in user[0].frames]
+    assert "while not stop.wait(0.05):" in sources
+    assert user[0].frames[-1].function == "_bootstrap"
+    assert agents.ask([0], {"op": "ping"})[0]["pid"] == os.getpid()
+
+
+def test_a_peer_without_the_key_is_refused_and_the_agent_keeps_serving(agent):
+    agents, _ = agent
+    wrong = RankAgents(agents.addresses, _agent_wire.derive_key(b"other", b"nonce"), timeout=3)
+    with pytest.raises(multiprocessing.AuthenticationError):
+        wrong.ask_one(0, {"op": "ping"})
+    assert wrong.ask([0], {"op": "ping"}) == {}
+    assert agents.ask([0], {"op": "ping"})[0]["pid"] == os.getpid()
+
+
+def test_unknown_requests_are_errors_not_crashes(agent):
+    agents, _ = agent
+    with pytest.raises(RuntimeError, match="unknown request 'nonsense'"):
+        agents.ask_one(0, {"op": "nonsense"})
+
+
+def test_a_silent_agent_times_out_instead_of_blocking():
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts connections (kernel backlog) but never answers
+    try:
+        agents = RankAgents({0: listener.getsockname()}, KEY, timeout=0.5)
+        began = time.monotonic()
+        assert agents.ask([0], {"op": "ping"}) == {}
+        assert time.monotonic() - began < 10
+    finally:
+        listener.close()
+
+
+def test_fault_link_carries_faulthandler_dumps_on_the_stack_signal(agent):
+    agents, user_thread = agent
+    agents.open_links()
+    dumps = agents.signal_dumps([0], lambda ranks: os.kill(os.getpid(), signal.SIGUSR1), 5.0)
+    assert f"Thread 0x{user_thread:016x}" in dumps[0]
+    assert "_sleeping_thread" in dumps[0]
