@@ -101,12 +101,20 @@ def export_round_trip(path: str, arch: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_full_rank0_state_dict_exports_with_save_pretrained(ranks2, tmp_path, arch):
-    results = ranks2.run(export_round_trip, str(tmp_path / arch), arch)
+def _check_export(results: list[dict], arch: str) -> None:
     first, *others = results
     assert first["same_keys"]
     assert first["logit_diff"] < LOGIT_TOL
     if arch == "gpt2":
         assert first["tied"]
     assert all(r["entries"] == 0 for r in others), "rank0_only leaves other ranks empty"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_full_rank0_state_dict_exports_with_save_pretrained(ranks2, tmp_path, arch):
+    _check_export(ranks2.run(export_round_trip, str(tmp_path / arch), arch), arch)
+
+
+@pytest.mark.world4
+def test_full_rank0_state_dict_export_on_4_ranks(ranks4, tmp_path):
+    _check_export(ranks4.run(export_round_trip, str(tmp_path / "gpt2"), "gpt2"), "gpt2")

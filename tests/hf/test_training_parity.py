@@ -190,12 +190,31 @@ def test_llama_cookbook_or_policy_picks_torch_fsdp1_units_and_trains_alike(ranks
     assert "lm_head" in first["units"]
 
 
-@pytest.mark.parametrize("variant", ["ac_before", "ac_after", "hf_gradient_checkpointing"])
-def test_activation_checkpointing_trains_like_the_unsharded_model(ranks2, variant):
-    first = _check(ranks2.run(train_variant, "llama", variant))
+@pytest.mark.world4
+def test_llama_cookbook_or_policy_on_4_ranks(ranks4):
+    first = _check(ranks4.run(train_variant, "llama", "cookbook_or"))
+    assert first["units"] == ranks4.run(torch_units, "llama", "cookbook_or")[0]
+
+
+AC_VARIANTS = ["ac_before", "ac_after", "hf_gradient_checkpointing"]
+
+
+def _check_checkpointing(results: list[dict], variant: str) -> None:
+    first = _check(results)
     assert first["units"] == LAYERS["llama"]
     expected = [] if variant == "hf_gradient_checkpointing" else ["CheckpointWrapper"]
     assert first["checkpoint_wrappers"] == expected
+
+
+@pytest.mark.parametrize("variant", AC_VARIANTS)
+def test_activation_checkpointing_trains_like_the_unsharded_model(ranks2, variant):
+    _check_checkpointing(ranks2.run(train_variant, "llama", variant), variant)
+
+
+@pytest.mark.world4
+@pytest.mark.parametrize("variant", AC_VARIANTS)
+def test_activation_checkpointing_on_4_ranks(ranks4, variant):
+    _check_checkpointing(ranks4.run(train_variant, "llama", variant), variant)
 
 
 @pytest.mark.world4
@@ -236,4 +255,11 @@ def test_bf16_mixed_precision_gives_torch_fsdp1_numbers(ranks2, arch):
     ours = ranks2.run(train_bf16, arch, "ours")[0]
     theirs = ranks2.run(train_bf16, arch, "torch")[0]
     # Both run the same bf16 kernels on the same bf16 parameters and gradients: equal.
+    assert ours == theirs
+
+
+@pytest.mark.world4
+def test_bf16_mixed_precision_on_4_ranks(ranks4):
+    ours = ranks4.run(train_bf16, "gpt2", "ours")[0]
+    theirs = ranks4.run(train_bf16, "gpt2", "torch")[0]
     assert ours == theirs
