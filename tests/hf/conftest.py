@@ -13,7 +13,8 @@ import pytest
 REQUIRE_ENV = "FSDPI_REQUIRE_HF"
 
 
-@pytest.fixture(autouse=True)
+# Session scope: set up before the session-scoped rank groups, so none is started in vain.
+@pytest.fixture(scope="session", autouse=True)
 def _transformers_installed() -> None:
     """Skip (or, with ``FSDPI_REQUIRE_HF=1``, fail) where transformers is not installed."""
     if importlib.util.find_spec("transformers") is not None:
