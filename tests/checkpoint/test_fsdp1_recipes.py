@@ -210,6 +210,8 @@ def test_recipe_resumes_identically_on_2_ranks(ranks2, tmp_path, how, writer, re
         ("full", "torch_fsdp1", "wrapper"),
         ("full", "wrapper", "torch_fsdp1"),
         ("full_legacy_scatter", "torch_fsdp1", "wrapper"),
+        ("full_legacy_shard", "wrapper", "torch_fsdp1"),
+        ("local", "wrapper", "wrapper"),
         # torch's ShardedTensors are chunked over 4 ranks; a (2, 2) HYBRID_SHARD mesh holds
         # other pieces: the values are resharded.
         ("sharded_lsosd", "torch_fsdp1", "hybrid"),

@@ -258,8 +258,18 @@ def test_bf16_mixed_precision_gives_torch_fsdp1_numbers(ranks2, arch):
     assert ours == theirs
 
 
+# bf16 gradients reduced over 4 ranks: each element is a sum of 4 bf16 values, rounded after
+# each addition, and gloo's reduce-scatter adds them in an order that depends on the buffer's
+# layout (one flat parameter in torch's FSDP1, per-parameter shards here). The first loss
+# (no reduction yet) must be equal: it is bf16 compute on the same weights (the same model in
+# fp32 is 2e-5 off there). The next two measured 3.5e-5 and 2.4e-4 apart (fp32: 5.9e-4 and
+# 1.5e-3), asserted at 1e-3.
+BF16_4_RANKS_TOL = 1e-3
+
+
 @pytest.mark.world4
 def test_bf16_mixed_precision_on_4_ranks(ranks4):
     ours = ranks4.run(train_bf16, "gpt2", "ours")[0]
     theirs = ranks4.run(train_bf16, "gpt2", "torch")[0]
-    assert ours == theirs
+    assert ours[0] == theirs[0]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < BF16_4_RANKS_TOL
