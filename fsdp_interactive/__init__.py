@@ -26,7 +26,7 @@ _LAZY_EXPORTS = {
     "MixedPrecision": "fsdp_interactive.fsdp",
     "StateDictType": "fsdp_interactive.fsdp",
     "Pool": "fsdp_interactive.pool",
-    "breakpoint": "fsdp_interactive.pool._rank_debugger",
+    "breakpoint": "fsdp_interactive.pool._rank_breakpoint",
 }
 
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]

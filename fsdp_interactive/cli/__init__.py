@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -18,13 +19,13 @@ SUBCOMMANDS: tuple[str, ...] = ("demo", "doctor", "lab", "checkpoint")
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available subcommand registered."""
-    from fsdp_interactive import __version__
-
+    # The installed distribution's version: the package root sits above the CLI's layer.
+    version = importlib.metadata.version("fsdp-interactive")
     parser = argparse.ArgumentParser(
         prog="fsdp-interactive",
         description="Interactive distributed training with PyTorch FSDP.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"fsdp_interactive.cli.{name}")

@@ -24,6 +24,14 @@ from fsdp_interactive.notebook._cell_output import (
     outputs_of,
     show_outputs,
 )
+from fsdp_interactive.notebook._magic_io import (
+    current_cell_number,
+    describe_value,
+    parse_targets,
+    pool_failures,
+    rank_error_class,
+    shown_as_message,
+)
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
 _DEFAULT_PULL_LIMIT = 256 * 2**20
@@ -45,94 +53,6 @@ _magics: FsdpMagics | None = None
 def current_pool() -> Any:
     """The pool that ``%fsdp start`` started in this kernel (None if there is none)."""
     return _magics.pool if _magics is not None else None
-
-
-def parse_targets(text: str, world_size: int) -> list[int] | None:
-    """``"all"`` -> None; ``"0,2"``, ``"1"``, ``"0-2"`` -> a sorted list of ranks."""
-    text = text.strip()
-    if text == "all":
-        return None
-    ranks: set[int] = set()
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = (int(p) for p in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError(part)
-                ranks.update(range(lo, hi + 1))
-            else:
-                ranks.add(int(part))
-    except ValueError:
-        raise UsageError(
-            f"--targets {text!r} is not a rank list; type e.g. --targets 0, --targets 0,1, "
-            "--targets 0-1 or --targets all"
-        ) from None
-    bad = sorted(r for r in ranks if not 0 <= r < world_size)
-    if bad:
-        raise UsageError(
-            f"--targets {text}: rank(s) {bad} do not exist; the pool has ranks 0..{world_size - 1} "
-            f"(type --targets 0-{world_size - 1} or --targets all)"
-        )
-    return sorted(ranks)
-
-
-def _rank_error_class() -> type:
-    from fsdp_interactive.pool.errors import RankError
-
-    return RankError
-
-
-def _pool_failures() -> tuple[type[BaseException], ...]:
-    from fsdp_interactive.pool.errors import (
-        PoolError,
-        RankDied,
-        RankError,
-        RankInterrupted,
-        RankTimeout,
-    )
-
-    return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
-
-
-def _shown_as_message(error: BaseException, out: str | None = None) -> BaseException:
-    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames.
-
-    Errors that name what to do next say it in magics here (``%fsdp restart``), not in
-    API calls; ``out`` is the name ``-o`` stored the error under.
-    """
-    message = error.notebook_message(out) if hasattr(error, "notebook_message") else str(error)
-    text = f"{type(error).__name__}: {message}"
-    error._render_traceback_ = lambda: text.splitlines()  # type: ignore[attr-defined]
-    return error
-
-
-def current_cell_number(shell: Any) -> int | None:
-    """The execution count the notebook shows for the cell being run.
-
-    IPython records it on the result of the running cell (``displayhook.exec_result``);
-    ``shell.execution_count`` alone is the current cell's number before IPython 9 and
-    the next one's from IPython 9 on.
-    """
-    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
-    number = getattr(running, "execution_count", None)
-    if isinstance(number, int):
-        return number
-    count = getattr(shell, "execution_count", None)
-    return count if isinstance(count, int) else None
-
-
-def describe_value(value: Any) -> str:
-    """``Tensor (64, 32) float32``, ``dict (3 items)``, ``int 7``: what a pull brought."""
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    kind = type(value).__name__
-    if shape is not None and dtype is not None:
-        dims = tuple(int(d) for d in shape)
-        return f"{kind} {dims} {str(dtype).removeprefix('torch.')}"
-    if isinstance(value, dict | list | tuple | set):
-        return f"{kind} ({len(value)} items)"
-    text = repr(value)
-    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 @magics_class
@@ -185,8 +105,8 @@ class FsdpMagics(Magics):
             )
         try:
             return getattr(self, f"_fsdp_{command}")(rest)
-        except _pool_failures() as error:
-            raise _shown_as_message(error) from None
+        except pool_failures() as error:
+            raise shown_as_message(error) from None
 
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of ranks")
@@ -331,7 +251,7 @@ class FsdpMagics(Magics):
         try:
             pool.run(code, stream=False)
             value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
-        except _rank_error_class() as error:
+        except rank_error_class() as error:
             from fsdp_interactive.inspect import TOO_LARGE
 
             messages = [message for _, message in error.errors.values()]
@@ -348,7 +268,7 @@ class FsdpMagics(Magics):
                     f"%fsdp pull: {messages[0]} on the ranks; check the name with "
                     "%%fsdp print(dir())"
                 ) from None
-            raise _shown_as_message(error) from None
+            raise shown_as_message(error) from None
         finally:
             if pool.running:
                 pool.run(f"globals().pop({_PULL_SCRATCH!r}, None)", stream=False)
@@ -498,13 +418,13 @@ class FsdpMagics(Magics):
             sink.flush()
             if args.out:
                 self.shell.user_ns[args.out] = error
-            raise _shown_as_message(error, args.out) from None
-        except _pool_failures() as error:
+            raise shown_as_message(error, args.out) from None
+        except pool_failures() as error:
             sink.flush()
-            if isinstance(error, _rank_error_class()):
+            if isinstance(error, rank_error_class()):
                 self._last_failed_rank = min(error.ranks)
             show_outputs(outputs_of(sink, None, ranks), args.group_outputs, streamed=stream)
-            raise _shown_as_message(error) from None
+            raise shown_as_message(error) from None
         sink.flush()
         show_outputs(outputs_of(sink, result, ranks), args.group_outputs, streamed=stream)
         if args.out:

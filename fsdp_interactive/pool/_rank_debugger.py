@@ -9,7 +9,8 @@ Two ways in, both free of IPython (the engine's shell is reached through the hoo
   calls, as a pdb session does (``up`` stays up), until ``q`` (or ``c``) ends it or a
   newer failure replaces it. It runs on the diagnostics agent's thread
   (:mod:`._rank_agent`), so it works while the rank is busy with another cell.
-* **Live**: :func:`breakpoint` inside a cell stops rank ``rank`` at the next line while
+* **Live**: :class:`LivePdb`, the debugger behind :func:`._rank_breakpoint.breakpoint`,
+  which inside a cell stops rank ``rank`` at the next line while
   the other ranks wait; as soon as the stopped rank runs on (``c``, ``n``, ``s``, ...)
   the others are released too (they meet it again at the next collective). Commands
   come from the notebook over the agent's event link (the kernel's waiting loop asks
@@ -27,7 +28,6 @@ import io
 import pdb
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -35,11 +35,9 @@ from typing import Any
 from fsdp_interactive.pool._stacks import is_cell_file, is_machinery
 from fsdp_interactive.pool._thread_stacks import CodeName
 
-_WAIT_POLL_S = 0.05
 _lock = threading.Lock()
 _failure: BaseException | None = None
 _session: _PostMortem | None = None
-_breakpoints = 0
 
 
 class _CellNamedPdb(pdb.Pdb):
@@ -184,7 +182,7 @@ _SKIPPED = (
 )
 
 
-class _LivePdb(_CellNamedPdb):
+class LivePdb(_CellNamedPdb):
     """pdb stopped in a cell on one rank; prompts go to ``ask(text) -> command``.
 
     IPython runs each top-level statement of a cell as its own code object, so stepping
@@ -267,7 +265,7 @@ class _PromptReader:
     """pdb's stdin: each ``readline`` hands what pdb printed (ending with its prompt) to
     the debugger's ``ask`` and returns the command it gets back."""
 
-    def __init__(self, debugger: _LivePdb) -> None:
+    def __init__(self, debugger: LivePdb) -> None:
         self._debugger = debugger
 
     def readline(self) -> str:
@@ -310,7 +308,7 @@ def _last_statement(frame: Any) -> bool:
     return bool(body) and max(lines, default=0) >= body[-1].lineno
 
 
-def _kernel_io(rank: int, link: Any) -> tuple[Any, Any]:
+def kernel_io(rank: int, link: Any) -> tuple[Any, Any]:
     """``(ask, show)`` for a notebook: prompts and output go over the event link; ``ask``
     waits for the command the user typed."""
     prompt = f"(rank {rank} Pdb) "
@@ -328,7 +326,7 @@ def _kernel_io(rank: int, link: Any) -> tuple[Any, Any]:
     return ask, show
 
 
-def _scripted_io(commands: Sequence[str]) -> tuple[Any, Any]:
+def scripted_io(commands: Sequence[str]) -> tuple[Any, Any]:
     """``(ask, show)`` for ``commands=``: the transcript goes to stderr; after the last
     command the debugger continues."""
     queue = list(commands)
@@ -343,63 +341,3 @@ def _scripted_io(commands: Sequence[str]) -> tuple[Any, Any]:
         return command
 
     return ask, show
-
-
-def breakpoint(rank: int = 0, commands: Sequence[str] | None = None) -> None:
-    """Stop rank ``rank`` at the next line of the calling cell; the other ranks wait.
-
-    Call it on every rank (in a ``%%fsdp`` cell), like ``torch.distributed.breakpoint``.
-    The stopped rank takes pdb commands from the notebook's input box (a plain
-    ``pool.run`` asks with ``input()``), until a command runs the code on (``c``, ``n``,
-    ``s``, ...); the other ranks wait until then. ``commands``: debugger commands to
-    run instead of asking (e.g. ``["p x", "c"]``, for notebooks run unattended); the
-    transcript goes to the rank's stderr and the debugger continues after the last.
-
-    Raises ``RuntimeError`` outside a pool's rank (under torchrun use
-    ``torch.distributed.breakpoint``) and ``ValueError`` for a rank that does not exist.
-    """
-    global _breakpoints
-    from fsdp_interactive.pool import _rank_agent, _rank_bootstrap
-
-    me, world_size, _, _ = _rank_bootstrap.rank_context()
-    store = _rank_bootstrap.rendezvous_store()
-    if me < 0 or store is None:
-        raise RuntimeError(
-            "fsdp_interactive.breakpoint() works in a cell run on a pool's ranks "
-            "(%%fsdp); in a torchrun script use torch.distributed.breakpoint()"
-        )
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be a rank of the pool (0..{world_size - 1}), got {rank!r}")
-    _breakpoints += 1
-    key = f"fsdp_interactive/breakpoint/{_breakpoints}"
-    if me != rank:
-        while not store.check([key]):  # a Python loop: Ctrl-C and stacks still work here
-            time.sleep(_WAIT_POLL_S)
-        return
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            store.set(key, "1")
-
-    agent = _rank_agent.current()
-    link = agent.event_link() if agent is not None else None
-    if commands is not None:
-        ask, show = _scripted_io([str(c) for c in commands])
-    elif link is not None:
-        ask, show = _kernel_io(rank, link)
-    else:
-        release()
-        raise RuntimeError(
-            f"rank {rank} cannot ask the notebook for debugger commands (no kernel is "
-            "connected); pass commands=[...] to fsdp_interactive.breakpoint()"
-        )
-    debugger = _LivePdb(rank, ask, show, release, agent.code_name if agent is not None else None)
-    caller = sys._getframe(1)
-    debugger.message(
-        f"rank {rank} stopped; the other ranks wait until it runs on "
-        "(c: continue, n: next line, p NAME: print a value, q: quit)"
-    )
-    debugger.set_trace(caller)
