@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement
 
 from fsdp_interactive import _torch_compat
@@ -66,3 +67,24 @@ def _replicated_copies(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> i
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """``model.named_parameters()``, each parameter once."""
     yield from model.named_parameters(remove_duplicate=True)
+
+
+def unit_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> FQN of the FSDP unit managing it ("" for ``model`` itself).
+
+    A unit is a module ``fully_shard`` was applied to; it manages the DTensor parameters
+    below it that no nested unit manages, so each parameter goes to its nearest unit above
+    it.  Wrapper segments (``_fsdp_wrapped_module``) are left out of the names, as in
+    ``named_parameters()``.  Parameters no unit manages (plain tensors, ignored ones) are
+    absent.
+    """
+    from fsdp_interactive.fsdp.fully_sharded_data_parallel import clean_name
+
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    owner: dict[int, str] = {}
+    # Deepest units first: a parameter belongs to the nearest unit above it.
+    for name, unit in sorted(units, key=lambda item: -len(item[0])):
+        for param in unit.parameters():
+            if isinstance(param, DTensor) and id(param) not in owner:
+                owner[id(param)] = clean_name(name + ".").removesuffix(".")
+    return owner

@@ -14,8 +14,9 @@ from fsdp_interactive.inspect._dtensor import (
     local_tensor,
     named_parameters,
     replication,
+    unit_names,
 )
-from fsdp_interactive.inspect._records import GradNorms
+from fsdp_interactive.inspect._records import GradNorms, combine_norms
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -110,17 +111,6 @@ def _shard_norms(shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return norms
 
 
-def _combine(norms: list[float], norm_type: float) -> float:
-    if not norms:
-        return 0.0
-    if math.isinf(norm_type):
-        return max(norms)
-    try:
-        return math.fsum(v**norm_type for v in norms) ** (1.0 / norm_type)
-    except OverflowError:
-        return math.inf
-
-
 def module_norms(names: list[str], norms: list[float], norm_type: float) -> dict[str, float]:
     """Norm over all parameters below each module prefix ("" is the whole model)."""
     members: dict[str, list[float]] = {}
@@ -128,7 +118,7 @@ def module_norms(names: list[str], norms: list[float], norm_type: float) -> dict
         parts = name.split(".")
         for depth in range(len(parts)):
             members.setdefault(".".join(parts[:depth]), []).append(value)
-    return {module: _combine(values, norm_type) for module, values in members.items()}
+    return {module: combine_norms(values, norm_type) for module, values in members.items()}
 
 
 def grad_norms(model: nn.Module, norm_type: float = 2.0) -> GradNorms:
@@ -139,6 +129,7 @@ def grad_norms(model: nn.Module, norm_type: float = 2.0) -> GradNorms:
     ``torch.nn.utils.clip_grad_norm_`` defines it: the ``norm_type``-norm of the per-parameter
     norms, over parameters that have a gradient; it agrees with clip_grad_norm_ to float32
     rounding (this probe accumulates in float64).  Gradients are only read, never clipped.
+    ``units`` holds the norm over each FSDP unit's parameters (see ``GradNorms``).
     Assumes every parameter's mesh spans the default group (true for fully_shard models).
     """
     if not isinstance(model, nn.Module):
@@ -151,6 +142,14 @@ def grad_norms(model: nn.Module, norm_type: float = 2.0) -> GradNorms:
     kept_names = [names[i] for i in kept]
     kept_norms = [float(norms[i]) for i in kept]
     modules = module_norms(kept_names, kept_norms, norm_type)
+    owner = unit_names(model)
+    units_of = {fqn: owner[id(p)] for fqn, p in named_parameters(model) if id(p) in owner}
+    unit_of = {name: units_of[name] for name in kept_names if name in units_of}
+    members: dict[str, list[float]] = {}
+    for name, value in zip(kept_names, kept_norms, strict=True):
+        if name in unit_of:
+            members.setdefault(unit_of[name], []).append(value)
+    units = {unit: combine_norms(values, norm_type) for unit, values in members.items()}
     total = modules.get("", 0.0) if kept_norms else 0.0
     if any(int(nans[i]) or int(infs[i]) for i in kept):
         total = float("nan") if any(int(nans[i]) for i in kept) else float("inf")
@@ -161,4 +160,6 @@ def grad_norms(model: nn.Module, norm_type: float = 2.0) -> GradNorms:
         modules=modules,
         nan_counts={names[i]: int(nans[i]) for i in kept if int(nans[i])},
         inf_counts={names[i]: int(infs[i]) for i in kept if int(infs[i])},
+        units=units,
+        unit_of=unit_of,
     )

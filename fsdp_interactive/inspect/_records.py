@@ -42,7 +42,9 @@ class ParamLayout:
     """How one parameter is laid out across the ranks.
 
     ``slices`` has one entry per global rank of the parameter's mesh (a plain tensor, not a
-    DTensor, has one full slice per rank of the world: it is replicated).
+    DTensor, has one full slice per rank of the world: it is replicated).  ``unit`` is the
+    FQN of the FSDP unit (the module ``fully_shard`` was applied to) that manages the
+    parameter, ``""`` for the root; ``None`` when no ``fully_shard`` manages it.
     """
 
     fqn: str
@@ -55,6 +57,7 @@ class ParamLayout:
     mesh_dim_names: tuple[str, ...] | None
     requires_grad: bool
     slices: tuple[ShardSlice, ...]
+    unit: str | None = None
 
     @property
     def numel(self) -> int:
@@ -78,7 +81,9 @@ class RankLayout:
 
     ``params`` describe every parameter (identical on every rank of the mesh); the byte
     totals are measured on this rank only: local parameter storage including padding,
-    gradients, optimizer state (if an optimizer was given) and buffers.
+    gradients, optimizer state (if an optimizer was given) and buffers.  ``params`` is
+    empty on the ranks that were asked not to describe them (``layout(...,
+    params_from_rank=0)``).  ``host`` is the name of the machine the rank runs on.
     """
 
     rank: int
@@ -88,15 +93,19 @@ class RankLayout:
     grad_bytes: int
     optim_bytes: int
     buffer_bytes: int
+    host: str = ""
 
 
 @dataclass(frozen=True)
 class RankTotals:
+    """One rank's memory totals (see :class:`RankLayout`) and the host it runs on."""
+
     rank: int
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
     buffer_bytes: int
+    host: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -134,15 +143,20 @@ class ModelLayout:
 
 
 def merge_layouts(per_rank: list[RankLayout]) -> ModelLayout:
-    """Combine the per-rank answers of ``layout(model)`` (any order) into a ModelLayout."""
+    """Combine the per-rank answers of ``layout(model)`` (any order) into a ModelLayout.
+
+    The parameters come from the lowest rank that described them (every rank describes
+    the same parameters; see ``layout(..., params_from_rank=)``).
+    """
     if not per_rank:
         raise ValueError("merge_layouts needs at least one RankLayout, got an empty list")
     ordered = sorted(per_rank, key=lambda r: r.rank)
     totals = tuple(
-        RankTotals(r.rank, r.param_bytes, r.grad_bytes, r.optim_bytes, r.buffer_bytes)
+        RankTotals(r.rank, r.param_bytes, r.grad_bytes, r.optim_bytes, r.buffer_bytes, r.host)
         for r in ordered
     )
-    return ModelLayout(world_size=ordered[0].world_size, params=ordered[0].params, ranks=totals)
+    params = next((r.params for r in ordered if r.params), ())
+    return ModelLayout(world_size=ordered[0].world_size, params=params, ranks=totals)
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,10 @@ class GradNorms:
     ``norm_type``-norm of the per-parameter norms; parameters without a gradient are left
     out).  ``params`` maps FQN -> norm of the full gradient; ``modules`` maps a module's FQN
     ("" is the root) -> the norm over all parameters below it.  ``nonfinite`` lists the
-    parameters whose gradient holds a NaN or an Inf, with their counts.
+    parameters whose gradient holds a NaN or an Inf, with their counts.  ``units`` maps an
+    FSDP unit's FQN ("" is the root unit) -> the norm over the parameters it manages, and
+    ``unit_of`` a parameter's FQN -> its unit; both are empty when no ``fully_shard``
+    manages the model's parameters.
     """
 
     norm_type: float
@@ -162,6 +179,8 @@ class GradNorms:
     modules: dict[str, float]
     nan_counts: dict[str, int] = field(default_factory=dict)
     inf_counts: dict[str, int] = field(default_factory=dict)
+    units: dict[str, float] = field(default_factory=dict)
+    unit_of: dict[str, str] = field(default_factory=dict)
 
     @property
     def nonfinite(self) -> list[str]:
@@ -225,6 +244,18 @@ class GradNormRecord:
     @property
     def nonfinite(self) -> bool:
         return self.nan_count > 0 or self.inf_count > 0 or not math.isfinite(self.total)
+
+
+def combine_norms(norms: list[float], norm_type: float) -> float:
+    """The ``norm_type``-norm of several norms (0 for none; inf on overflow)."""
+    if not norms:
+        return 0.0
+    if math.isinf(norm_type):
+        return max(norms)
+    try:
+        return math.fsum(v**norm_type for v in norms) ** (1.0 / norm_type)
+    except OverflowError:
+        return math.inf
 
 
 def find_spikes(values: list[float], factor: float = 3.0, window: int = 20) -> list[int]:

@@ -31,12 +31,18 @@ def html_table(
 
 
 def figure_png(figure: Any) -> bytes:
-    """PNG bytes of a matplotlib Figure (rendered with the Agg canvas, no pyplot state)."""
+    """PNG bytes of a matplotlib Figure (rendered with the Agg canvas, no pyplot state).
+
+    A figure with a layout engine (``Figure(..., layout="tight")``) is saved as it lays
+    itself out, in one drawing; any other is cropped to its content (``bbox_inches=
+    "tight"``), which draws it twice.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    crop = None if figure.get_layout_engine() is not None else "tight"
+    figure.savefig(buffer, format="png", dpi=90, bbox_inches=crop)
     return buffer.getvalue()
 
 

@@ -205,23 +205,59 @@ class CheckpointPanel(View):
 
         self._table = w.HTML()
         self._status = w.HTML()
-        self._name = w.Text(placeholder="name (default: step-N or time)", description="name")
-        self._step = w.IntText(value=0, description="step")
-        self._async = w.Checkbox(value=False, description="async (train on while saving)")
-        self._save_button = w.Button(description="Save now", icon="save")
-        self._progress = w.IntProgress(value=0, min=0, max=1, description="save")
-        self._choice = w.Dropdown(options=[], description="checkpoint")
-        self._load_button = w.Button(description="Load", icon="upload")
-        self._delete_button = w.Button(description="Delete", button_style="danger")
-        self._confirm_delete = w.Checkbox(value=False, description="yes, delete it")
-        self._refresh_button = w.Button(description="Refresh", icon="refresh")
+        # Rows wrap rather than squeeze: a squeezed flex row cuts buttons to "S..." and the
+        # progress bar to a dot (inside the Dashboard's tabs above all).
+        fixed = {"flex": "0 0 auto"}
+        self._name = w.Text(
+            placeholder="name (default: step-N or time)",
+            description="name",
+            layout=w.Layout(width="300px", **fixed),
+        )
+        self._step = w.IntText(value=0, description="step", layout=w.Layout(width="160px", **fixed))
+        self._async = w.Checkbox(
+            value=False,
+            description="async (train on while saving)",
+            indent=False,
+            layout=w.Layout(width="auto", **fixed),
+        )
+        self._save_button = w.Button(
+            description="Save now", icon="save", layout=w.Layout(width="auto", **fixed)
+        )
+        self._progress = w.IntProgress(
+            value=0,
+            min=0,
+            max=1,
+            description="save",
+            layout=w.Layout(width="240px", height="24px", **fixed),
+        )
+        self._choice = w.Dropdown(
+            options=[], description="checkpoint", layout=w.Layout(width="320px", **fixed)
+        )
+        self._load_button = w.Button(
+            description="Load", icon="upload", layout=w.Layout(width="auto", **fixed)
+        )
+        self._delete_button = w.Button(
+            description="Delete", button_style="danger", layout=w.Layout(width="auto", **fixed)
+        )
+        self._confirm_delete = w.Checkbox(
+            value=False,
+            description="yes, delete it",
+            indent=False,
+            layout=w.Layout(width="auto", **fixed),
+        )
+        self._refresh_button = w.Button(
+            description="Refresh", icon="refresh", layout=w.Layout(width="auto", **fixed)
+        )
         self._save_button.on_click(lambda _: self._guard(self._click_save))
         self._load_button.on_click(lambda _: self._guard(lambda: self.load(self._choice.value)))
         self._delete_button.on_click(lambda _: self._guard(self._click_delete))
         self._refresh_button.on_click(lambda _: self._guard(self.refresh))
         return w.VBox(
             [
-                w.HBox([self._name, self._step, self._async, self._save_button, self._progress]),
+                w.HBox(
+                    [self._name, self._step, self._async, self._save_button, self._progress],
+                    layout=w.Layout(flex_flow="row wrap", align_items="center"),
+                ),
                 w.HBox(
                     [
                         self._choice,
@@ -229,7 +265,8 @@ class CheckpointPanel(View):
                         self._delete_button,
                         self._confirm_delete,
                         self._refresh_button,
-                    ]
+                    ],
+                    layout=w.Layout(flex_flow="row wrap", align_items="center"),
                 ),
                 self._table,
                 self._status,

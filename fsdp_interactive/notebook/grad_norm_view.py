@@ -1,37 +1,51 @@
-"""Gradient-norm view: table and bar chart after a backward (notebook side)."""
+"""Gradient-norm view: the global norm, a top-k table and bar chart after a backward
+(notebook side)."""
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from fsdp_interactive.inspect import GradNorms
 from fsdp_interactive.notebook._format import figure_html, figure_png
+from fsdp_interactive.notebook._groups import NORM_GROUPS, check_pattern, check_sort, check_top
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_bars
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text
+from fsdp_interactive.notebook.render import global_norm_line, grad_norms_html, grad_norms_text
+
+_SORTS = ("norm", "model")
 
 
 class GradNormView(View):
     """Shows ``inspect.grad_norms`` of the model on the ranks (read-only; nothing clipped).
 
-    ``refresh()`` recomputes (a collective on the ranks); ``show_by("modules")`` switches
-    between per-parameter and per-module bars, as the toggle does.
+    One row per parameter, module or FSDP unit (``by``: ``"params"``, ``"modules"``,
+    ``"units"``), those matching ``pattern`` (a substring or a glob), the ``top`` largest
+    (``sort="norm"``, NaN/Inf first) or the first ``top`` in model order (``sort="model"``).
+    The global norm is stated once, above the table.  ``refresh()`` recomputes (a
+    collective on the ranks); ``show(...)`` / ``show_by(by)`` change what is shown, as the
+    controls do.
     """
 
-    def __init__(self, source: RankModel | GradNorms, by: str = "params", norm_type: float = 2.0):
+    def __init__(
+        self,
+        source: RankModel | GradNorms,
+        by: str = "params",
+        norm_type: float = 2.0,
+        pattern: str | None = None,
+        top: int = 30,
+        sort: str = "norm",
+    ):
         self.source = source if isinstance(source, RankModel) else None
         self.norm_type = norm_type
-        self.by = self._check_by(by)
+        self.by = check_sort(by, NORM_GROUPS, "by")
+        self.pattern = check_pattern(pattern)
+        self.top = check_top(top)
+        self.sort = check_sort(sort, _SORTS)
         self.data: GradNorms = (
             source if isinstance(source, GradNorms) else source.grad_norms(norm_type)
         )
-
-    @staticmethod
-    def _check_by(by: str) -> str:
-        if by not in ("params", "modules"):
-            raise ValueError(f"by must be 'params' or 'modules', got {by!r}")
-        return by
 
     def refresh(self) -> GradNorms:
         if self.source is None:
@@ -40,22 +54,34 @@ class GradNormView(View):
         self._changed()
         return self.data
 
+    def show(self, **changes: Any) -> None:
+        """Change any of ``by``, ``pattern``, ``top``, ``sort``; a bad value raises (naming
+        the argument) and changes nothing."""
+        unknown = set(changes) - {"by", "pattern", "top", "sort"}
+        if unknown:
+            raise TypeError(f"show() got unknown arguments {sorted(unknown)}")
+        by = check_sort(changes.get("by", self.by), NORM_GROUPS, "by")
+        pattern = check_pattern(changes.get("pattern", self.pattern))
+        top = check_top(changes.get("top", self.top))
+        sort = check_sort(changes.get("sort", self.sort), _SORTS)
+        self.by, self.pattern, self.top, self.sort = by, pattern, top, sort
+        self._changed()
+
     def show_by(self, by: str) -> None:
-        self.by = self._check_by(by)
-        if self._widget is not None and self._toggle.value != by:
-            self._toggle.value = by  # the observer updates the view
-        else:
-            self._changed()
+        self.show(by=by)
+
+    def _choice(self) -> dict[str, Any]:
+        return {"by": self.by, "pattern": self.pattern, "top": self.top, "sort": self.sort}
 
     def figure(self) -> Any:
-        return grad_norm_bars(self.data, by=self.by)
+        return grad_norm_bars(self.data, **self._choice())
 
     def text(self) -> str:
-        return grad_norms_text(self.data, self.by)
+        return grad_norms_text(self.data, **self._choice())
 
     def html(self, figures: bool = True) -> str:
         picture = figure_html(self.figure(), "gradient norms") if figures else ""
-        return grad_norms_html(self.data, self.by) + picture
+        return grad_norms_html(self.data, **self._choice()) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
@@ -64,22 +90,55 @@ class GradNormView(View):
             description="Recompute", icon="refresh", disabled=self.source is None
         )
         self._refresh_button.on_click(self._clicked(self.refresh, "recomputing"))
-        self._toggle = w.ToggleButtons(options=["params", "modules"], value=self.by)
-        self._toggle.observe(lambda change: self.show_by(change["new"]), names="value")
+        self._toggle = w.ToggleButtons(options=list(NORM_GROUPS), value=self.by)
+        self._filter = w.Text(
+            value=self.pattern or "",
+            placeholder="filter: layers.1*  or  attn",
+            description="filter",
+            continuous_update=False,
+            layout=w.Layout(width="260px"),
+        )
+        self._top = w.BoundedIntText(
+            value=self.top, min=1, max=10**6, description="top", layout=w.Layout(width="150px")
+        )
+        self._sort = w.ToggleButtons(
+            options=[("largest", "norm"), ("model order", "model")],
+            value=self.sort,
+            style={"button_width": "auto"},
+        )
+        apply = self._clicked(self._apply_controls, "filter")
+        for control in (self._toggle, self._filter, self._top, self._sort):
+            control.observe(lambda _change: apply(), names="value")
         self._total = w.HTML()
         self._table = w.HTML()
         self._image = png_image()
-        return w.VBox(
-            [
-                w.HBox([self._refresh_button, self._toggle]),
-                self._error_box(),
-                self._total,
-                self._image,
-                self._table,
-            ]
+        controls = w.HBox(
+            [self._refresh_button, self._toggle, self._filter, self._top, self._sort],
+            layout=w.Layout(flex_flow="row wrap"),
+        )
+        return w.VBox([controls, self._error_box(), self._total, self._image, self._table])
+
+    def _apply_controls(self) -> None:
+        if getattr(self, "_syncing", False):
+            return
+        self.show(
+            by=self._toggle.value,
+            pattern=self._filter.value,
+            top=self._top.value,
+            sort=self._sort.value,
         )
 
     def _update_widget(self) -> None:
-        self._total.value = f"<b>global norm: {self.data.total:.8g}</b>"
-        self._table.value = grad_norms_html(self.data, self.by)
+        self._syncing = True
+        try:
+            self._toggle.value = self.by
+            self._filter.value = self.pattern or ""
+            self._top.value = self.top
+            self._sort.value = self.sort
+        finally:
+            self._syncing = False
+        # The global norm is stated here only: the table and the picture leave it out.
+        line = html.escape(global_norm_line(self.data)) if self.data.params else ""
+        self._total.value = f"<b>{line}</b>"
+        self._table.value = grad_norms_html(self.data, head=False, **self._choice())
         self._image.value = figure_png(self.figure())

@@ -1,4 +1,4 @@
-"""Shard-layout view: table, slice picture and memory per rank (notebook side)."""
+"""Shard-layout view: units, parameters, slice picture and memory per rank (notebook side)."""
 
 from __future__ import annotations
 
@@ -6,39 +6,118 @@ from typing import Any
 
 from fsdp_interactive.inspect import ModelLayout
 from fsdp_interactive.notebook._format import figure_html, figure_png
+from fsdp_interactive.notebook._groups import (
+    LayoutSelection,
+    check_pattern,
+    check_sort,
+    check_top,
+    select_layout,
+)
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import layout_figure
 from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import layout_html, layout_text
 
+_ALL_UNITS = "(all units)"
+
 
 class LayoutView(View):
-    """Shows ``inspect.layout`` of a model on the ranks.
+    """Shows ``inspect.layout`` of a model on the ranks, grouped by FSDP unit.
 
-    ``refresh()`` asks the ranks again (the Refresh button does the same); ``data`` is the
-    merged :class:`ModelLayout`; ``figure()`` is the matplotlib picture.
+    The unit table has one row per FSDP unit, with consecutive alike units (a stack of
+    identical decoder layers) folded into one row such as ``layers.{0..31}`` unless
+    ``fold=False``.  The parameter table lists the parameters matching ``pattern`` (a
+    substring or a glob) in the unit row drilled into (``unit``: a label of the unit table;
+    ``None``: the whole model), sorted by ``sort`` (``"model"`` order or ``"size"``), at
+    most ``top`` rows; the unit table is cut to ``top`` rows the same way.  The picture
+    draws one bar per parameter when the parameters fit, else one per unit row.
+
+    ``refresh()`` asks the ranks again (the Refresh button does the same); ``show(...)``
+    changes what is shown, as the filter box, unit list, top-k and order controls do;
+    ``data`` is the merged :class:`ModelLayout`; ``figure()`` is the matplotlib picture.
     """
 
-    def __init__(self, source: RankModel | ModelLayout):
+    def __init__(
+        self,
+        source: RankModel | ModelLayout,
+        pattern: str | None = None,
+        unit: str | None = None,
+        top: int = 30,
+        sort: str = "model",
+        fold: bool = True,
+    ):
         self.source = source if isinstance(source, RankModel) else None
         self.data: ModelLayout = source if isinstance(source, ModelLayout) else source.layout()
+        self.fold = bool(fold)
+        self.selection: LayoutSelection = select_layout(self.data, pattern, unit, top, sort, fold)
+
+    @property
+    def pattern(self) -> str | None:
+        return self.selection.pattern
+
+    @property
+    def unit(self) -> str | None:
+        return self.selection.unit
+
+    @property
+    def top(self) -> int:
+        return self.selection.top
+
+    @property
+    def sort(self) -> str:
+        return self.selection.sort
+
+    def show(self, **changes: Any) -> LayoutSelection:
+        """Change any of ``pattern``, ``unit``, ``top``, ``sort``, ``fold``; the others stay.
+
+        A bad value raises (naming the argument) and leaves the view as it was.  A filter
+        that leaves the drilled-into unit without parameters drops the drill-down.
+        """
+        unknown = set(changes) - {"pattern", "unit", "top", "sort", "fold"}
+        if unknown:
+            raise TypeError(f"show() got unknown arguments {sorted(unknown)}")
+        pattern = check_pattern(changes.get("pattern", self.pattern))
+        top = check_top(changes.get("top", self.top))
+        sort = check_sort(changes.get("sort", self.sort))
+        fold = bool(changes.get("fold", self.fold))
+        unit = changes.get("unit", self.unit)
+        if "unit" not in changes and unit is not None:
+            labels = self.unit_labels(pattern, fold)
+            unit = unit if unit in labels or self._unit_inside(unit, pattern, fold) else None
+        self.selection = select_layout(self.data, pattern, unit, top, sort, fold)
+        self.fold = fold
+        self._changed()
+        return self.selection
+
+    def _unit_inside(self, unit: str, pattern: str | None, fold: bool) -> bool:
+        try:
+            select_layout(self.data, pattern, unit, 1, "model", fold)
+        except ValueError:
+            return False
+        return True
+
+    def unit_labels(self, pattern: str | None = None, fold: bool | None = None) -> list[str]:
+        """The labels of the unit table's rows (what ``unit=`` accepts), in model order."""
+        fold = self.fold if fold is None else fold
+        selection = select_layout(self.data, pattern, None, 10**9, "model", fold)
+        return [row.label for row in selection.rows]
 
     def refresh(self) -> ModelLayout:
         if self.source is None:
             raise RuntimeError("this view was built from fixed data; build it from a RankModel")
         self.data = self.source.layout()
-        self._changed()
+        self.show()
         return self.data
 
     def figure(self) -> Any:
-        return layout_figure(self.data)
+        return layout_figure(self.data, self.selection)
 
     def text(self) -> str:
-        return layout_text(self.data)
+        return layout_text(self.data, self.selection)
 
     def html(self, figures: bool = True) -> str:
         picture = figure_html(self.figure(), "shard layout") if figures else ""
-        return layout_html(self.data) + picture
+        return layout_html(self.data, self.selection) + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
@@ -49,8 +128,63 @@ class LayoutView(View):
             description="Refresh", icon="refresh", disabled=self.source is None
         )
         self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
-        return w.VBox([self._refresh_button, self._error_box(), self._table, self._image])
+        self._filter = w.Text(
+            value=self.pattern or "",
+            placeholder="filter: layers.1*  or  attn",
+            description="filter",
+            continuous_update=False,
+            layout=w.Layout(width="260px"),
+        )
+        self._unit_choice = w.Dropdown(
+            description="unit", options=[_ALL_UNITS], layout=w.Layout(width="300px")
+        )
+        self._top = w.BoundedIntText(
+            value=self.top, min=1, max=10**6, description="top", layout=w.Layout(width="150px")
+        )
+        self._sort = w.ToggleButtons(
+            options=[("model order", "model"), ("largest", "size")],
+            value=self.sort,
+            style={"button_width": "auto"},
+        )
+        self._fold = w.Checkbox(value=self.fold, description="fold alike units", indent=False)
+        apply = self._clicked(self._apply_controls, "filter")
+        for control in (self._filter, self._unit_choice, self._top, self._sort, self._fold):
+            control.observe(lambda _change: apply(), names="value")
+        controls = w.HBox(
+            [
+                self._refresh_button,
+                self._filter,
+                self._unit_choice,
+                self._top,
+                self._sort,
+                self._fold,
+            ],
+            layout=w.Layout(flex_flow="row wrap"),
+        )
+        return w.VBox([controls, self._error_box(), self._image, self._table])
+
+    def _apply_controls(self) -> None:
+        if getattr(self, "_syncing", False):
+            return
+        unit = self._unit_choice.value
+        self.show(
+            pattern=self._filter.value,
+            unit=None if unit == _ALL_UNITS else unit,
+            top=self._top.value,
+            sort=self._sort.value,
+            fold=self._fold.value,
+        )
 
     def _update_widget(self) -> None:
-        self._table.value = layout_html(self.data)
+        self._syncing = True
+        try:
+            self._unit_choice.options = [_ALL_UNITS, *self.unit_labels(self.pattern)]
+            self._unit_choice.value = self.unit if self.unit is not None else _ALL_UNITS
+            self._filter.value = self.pattern or ""
+            self._top.value = self.top
+            self._sort.value = self.sort
+            self._fold.value = self.fold
+        finally:
+            self._syncing = False
+        self._table.value = layout_html(self.data, self.selection)
         self._image.value = figure_png(self.figure())

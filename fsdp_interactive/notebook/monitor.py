@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 import threading
 from typing import Any
@@ -12,6 +13,11 @@ from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_history_figure
 from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.notebook.render import history_text
+
+
+def _summary_html(records: list[GradNormRecord]) -> str:
+    """The first three lines of :func:`history_text` (counts, NaN/Inf steps, spikes)."""
+    return "<br/>".join(html.escape(line) for line in history_text(records).split("\n")[:3])
 
 
 class GradNormMonitor(View):
@@ -53,6 +59,9 @@ class GradNormMonitor(View):
         self._offset = 0
         self._partial = ""
         self._lock = threading.Lock()
+        # The follow thread and the kernel's thread both redraw: one redraw at a time, each
+        # from one snapshot, so the summary and the plot always count the same records.
+        self._draw_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -133,16 +142,23 @@ class GradNormMonitor(View):
 
     # ------------------------------------------------------------------ display
 
-    def figure(self) -> Any:
-        return grad_norm_history_figure(self.records, self.spike_factor, self.window)
+    def snapshot(self) -> list[GradNormRecord]:
+        """The records now (a copy: the follow thread may append while a view draws)."""
+        with self._lock:
+            return list(self.records)
+
+    def figure(self, records: list[GradNormRecord] | None = None) -> Any:
+        records = self.snapshot() if records is None else records
+        return grad_norm_history_figure(records, self.spike_factor, self.window)
 
     def text(self) -> str:
-        return history_text(self.records)
+        return history_text(self.snapshot())
 
     def html(self, figures: bool = True) -> str:
-        summary = history_text(self.records).split("\n")[:3]
-        picture = figure_html(self.figure(), "gradient norm history") if figures else ""
-        return "<br/>".join(summary) + picture
+        records = self.snapshot()
+        summary = _summary_html(records)
+        picture = figure_html(self.figure(records), "gradient norm history") if figures else ""
+        return summary + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
@@ -171,7 +187,9 @@ class GradNormMonitor(View):
             self.stop()
 
     def _update_widget(self) -> None:
-        self._summary.value = "<br/>".join(history_text(self.records).split("\n")[:3])
-        self._image.value = figure_png(self.figure())
+        with self._draw_lock:
+            records = self.snapshot()
+            self._summary.value = _summary_html(records)
+            self._image.value = figure_png(self.figure(records))
         if self._follow_button.value != self.following:
             self._follow_button.value = self.following

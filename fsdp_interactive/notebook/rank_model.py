@@ -91,8 +91,12 @@ class RankModel:
 
     def layout(self) -> ModelLayout:
         optimizer = self.optimizer or "None"
+        # Every rank describes the same parameters: only rank 0 sends them (a model with
+        # thousands of parameters would otherwise send and unpickle them once per rank).
         return merge_layouts(
-            self._probe(f"_fsdp_interactive_inspect.layout({self.model}, {optimizer})")
+            self._probe(
+                f"_fsdp_interactive_inspect.layout({self.model}, {optimizer}, params_from_rank=0)"
+            )
         )
 
     def grad_norms(self, norm_type: float = 2.0) -> GradNorms:

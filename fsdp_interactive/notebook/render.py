@@ -11,6 +11,7 @@ AVX2, none) and GPUs, and the same notebook should show the same numbers on each
 
 from __future__ import annotations
 
+import html as html_lib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,20 +22,33 @@ from fsdp_interactive.inspect import (
     GradNorms,
     MemoryStats,
     ModelLayout,
+    ParamLayout,
     TensorStats,
     find_spikes,
 )
 from fsdp_interactive.notebook._format import html_table
+from fsdp_interactive.notebook._groups import (
+    LayoutSelection,
+    rank_span,
+    select_layout,
+    select_norms,
+)
 
-_LAYOUT_HEADERS = ("parameter", "shape", "dtype", "placements", "per-rank rows/shape", "padding")
+_PARAM_HEADERS = ("parameter", "shape", "dtype", "placements", "per-rank rows/shape", "padding")
+_UNIT_HEADERS = ("unit", "params", "size", "held per rank", "padding")
 
 
-def _layout_rows(model_layout: ModelLayout) -> list[tuple[str, ...]]:
+def _shapes_by_rank(param: ParamLayout) -> str:
+    """``r0-2:2x5 | r3:1x5``: ranks holding equal shapes share one entry (8+ ranks stay short)."""
+    by_shape: dict[str, list[int]] = {}
+    for s in param.slices:
+        by_shape.setdefault("x".join(map(str, s.local_shape)) or "scalar", []).append(s.rank)
+    return " | ".join(f"{rank_span(ranks)}:{shape}" for shape, ranks in by_shape.items())
+
+
+def _param_rows(params: Sequence[ParamLayout]) -> list[tuple[str, ...]]:
     rows = []
-    for p in model_layout.params:
-        shapes = " | ".join(
-            f"r{s.rank}:{'x'.join(map(str, s.local_shape)) or 'scalar'}" for s in p.slices
-        )
+    for p in params:
         padding = sum(s.padding for s in p.slices)
         rows.append(
             (
@@ -42,8 +56,36 @@ def _layout_rows(model_layout: ModelLayout) -> list[tuple[str, ...]]:
                 "x".join(map(str, p.global_shape)) or "scalar",
                 p.dtype,
                 ",".join(p.placements),
-                shapes,
+                _shapes_by_rank(p),
                 str(padding) if padding else "",
+            )
+        )
+    return rows
+
+
+def _spread(values: Sequence[int]) -> str:
+    """One size when every rank holds the same, else the smallest and the largest."""
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return (
+        f"{human_bytes(low)} each" if low == high else f"{human_bytes(low)} .. {human_bytes(high)}"
+    )
+
+
+def _unit_rows(selection: LayoutSelection) -> list[tuple[str, ...]]:
+    rows = []
+    for row in selection.rows:
+        count = len(row.units)
+        per_unit = f" ({len(row.units[0].params)} each)" if count > 1 else ""
+        padding = sum(row.stored) - sum(row.held)
+        rows.append(
+            (
+                row.label + (f"  x{count}" if count > 1 else ""),
+                f"{len(row.params)}{per_unit}",
+                human_bytes(row.nbytes),
+                _spread(row.held),
+                human_bytes(padding) if padding else "",
             )
         )
     return rows
@@ -66,37 +108,69 @@ def _rank_rows(model_layout: ModelLayout) -> list[tuple[str, ...]]:
 _RANK_HEADERS = ("rank", "params", "grads", "optimizer", "buffers", "total")
 
 
-def layout_text(model_layout: ModelLayout) -> str:
+def _layout_head(model_layout: ModelLayout, selection: LayoutSelection) -> str:
     head = (
-        f"{len(model_layout.params)} parameters, {human_bytes(model_layout.model_bytes)} "
-        f"unsharded, over {model_layout.world_size} ranks"
+        f"{len(model_layout.params)} parameters in {selection.units} FSDP units, "
+        f"{human_bytes(model_layout.model_bytes)} unsharded, over {model_layout.world_size} ranks"
     )
-    return "\n\n".join(
-        [
-            head,
-            text_table(_LAYOUT_HEADERS, _layout_rows(model_layout)),
-            text_table(_RANK_HEADERS, _rank_rows(model_layout)),
-        ]
-    )
+    if selection.pattern:
+        head += f"; filter {selection.pattern!r}"
+    return head
 
 
-def layout_html(model_layout: ModelLayout) -> str:
-    head = (
-        f"<b>{len(model_layout.params)} parameters, {human_bytes(model_layout.model_bytes)} "
-        f"unsharded, over {model_layout.world_size} ranks</b>"
-    )
+def _cut_note(shown: int, matched: int, what: str) -> str:
+    """Says what was left out and how to see it (empty when nothing was)."""
+    if shown >= matched:
+        return ""
+    return f"showing {shown} of {matched} {what}: filter, drill into a unit or raise top"
+
+
+def _param_caption(selection: LayoutSelection) -> str:
+    where = f" of {selection.unit}" if selection.unit is not None else ""
+    order = "largest first" if selection.sort == "size" else "model order"
+    return f"parameters{where} ({order})"
+
+
+def layout_text(model_layout: ModelLayout, selection: LayoutSelection | None = None) -> str:
+    """The unit table, the parameter table and the bytes per rank (``selection``: what to
+    show, :func:`select_layout`; by default every unit and the first 30 parameters)."""
+    selection = selection or select_layout(model_layout)
+    parts = [
+        _layout_head(model_layout, selection),
+        "units\n" + text_table(_UNIT_HEADERS, _unit_rows(selection)),
+        _cut_note(len(selection.rows), selection.row_count, "unit rows"),
+        _param_caption(selection)
+        + "\n"
+        + text_table(_PARAM_HEADERS, _param_rows(selection.params)),
+        _cut_note(len(selection.params), selection.param_count, "parameters"),
+        text_table(_RANK_HEADERS, _rank_rows(model_layout)),
+    ]
+    return "\n\n".join(p for p in parts if p)
+
+
+def layout_html(model_layout: ModelLayout, selection: LayoutSelection | None = None) -> str:
+    selection = selection or select_layout(model_layout)
+
+    def note(text: str) -> str:
+        return f"<div><i>{html_lib.escape(text)}</i></div>" if text else ""
+
     return (
-        head
-        + html_table(_LAYOUT_HEADERS, _layout_rows(model_layout))
+        f"<b>{html_lib.escape(_layout_head(model_layout, selection))}</b>"
+        + html_table(_UNIT_HEADERS, _unit_rows(selection))
+        + note(_cut_note(len(selection.rows), selection.row_count, "unit rows"))
+        + f"<div><b>{html_lib.escape(_param_caption(selection))}</b></div>"
+        + html_table(_PARAM_HEADERS, _param_rows(selection.params))
+        + note(_cut_note(len(selection.params), selection.param_count, "parameters"))
         + "<br/>"
         + html_table(_RANK_HEADERS, _rank_rows(model_layout))
     )
 
 
-def _norm_rows(norms: GradNorms, by: str) -> tuple[list[tuple[str, str, str]], set[int]]:
-    values = norms.params if by == "params" else {k: v for k, v in norms.modules.items() if k}
+def _norm_rows(
+    norms: GradNorms, items: Sequence[tuple[str, float]]
+) -> tuple[list[tuple[str, str, str]], set[int]]:
     rows, marks = [], set()
-    for i, (name, value) in enumerate(values.items()):
+    for i, (name, value) in enumerate(items):
         flags = []
         if norms.nan_counts.get(name):
             flags.append(f"NaN x{norms.nan_counts[name]}")
@@ -111,26 +185,66 @@ def _norm_rows(norms: GradNorms, by: str) -> tuple[list[tuple[str, str, str]], s
 
 
 _NO_GRADS = "no gradients yet: run a backward pass on the ranks first"
+_ROW_NAMES = {"params": "parameter", "modules": "module", "units": "unit"}
 
 
-def grad_norms_text(norms: GradNorms, by: str = "params") -> str:
-    if not norms.params:
-        return _NO_GRADS
-    rows, _ = _norm_rows(norms, by)
+def global_norm_line(norms: GradNorms) -> str:
+    """The one line that states the global norm (and where it is not finite)."""
     head = f"global L{norms.norm_type:g} gradient norm: {number(norms.total)}"
     if norms.has_nonfinite:
         head += f"  (NON-FINITE gradients in: {', '.join(norms.nonfinite) or 'total'})"
-    return head + "\n\n" + text_table((by[:-1], "norm", "flags"), rows)
+    return head
 
 
-def grad_norms_html(norms: GradNorms, by: str = "params") -> str:
+def _norm_caption(norms: GradNorms, by: str, shown: int, matched: int, sort: str) -> str:
+    what = _ROW_NAMES[by]
+    order = "largest first" if sort == "norm" else "model order"
+    caption = f"{shown} of {matched} {what}s, {order}" if shown < matched else f"{matched} {what}s"
+    return caption
+
+
+def grad_norms_text(
+    norms: GradNorms,
+    by: str = "params",
+    pattern: str | None = None,
+    top: int = 30,
+    sort: str = "norm",
+    head: bool = True,
+) -> str:
+    """The global norm (``head=False`` leaves it out, for a view that shows it elsewhere)
+    and the norms ``by`` parameter, module or unit: :func:`select_norms` picks the rows."""
+    if not norms.params:
+        return _NO_GRADS
+    items, matched = select_norms(norms, by, pattern, top, sort)
+    rows, _ = _norm_rows(norms, items)
+    table = _norm_caption(norms, by, len(items), matched, sort) + "\n"
+    table += text_table((_ROW_NAMES[by], "norm", "flags"), rows)
+    return (global_norm_line(norms) + "\n\n" if head else "") + table
+
+
+def grad_norms_html(
+    norms: GradNorms,
+    by: str = "params",
+    pattern: str | None = None,
+    top: int = 30,
+    sort: str = "norm",
+    head: bool = True,
+) -> str:
     if not norms.params:
         return f"<i>{_NO_GRADS}</i>"
-    rows, marks = _norm_rows(norms, by)
-    head = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total)}</b>"
-    if norms.has_nonfinite:
-        head += f' <span style="color:#c00">non-finite: {", ".join(norms.nonfinite)}</span>'
-    return head + html_table((by[:-1], "norm", "flags"), rows, marks)
+    items, matched = select_norms(norms, by, pattern, top, sort)
+    rows, marks = _norm_rows(norms, items)
+    out = ""
+    if head:
+        out = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total)}</b>"
+        if norms.has_nonfinite:
+            out += f' <span style="color:#c00">non-finite: {", ".join(norms.nonfinite)}</span>'
+    caption = html_lib.escape(_norm_caption(norms, by, len(items), matched, sort))
+    return (
+        out
+        + f"<div><i>{caption}</i></div>"
+        + html_table((_ROW_NAMES[by], "norm", "flags"), rows, marks)
+    )
 
 
 def _stats_rows(stats: TensorStats) -> list[tuple[str, str]]:
@@ -209,6 +323,14 @@ def topology_html(topology: Sequence[Any]) -> str:
     return html_table(headers, rows)
 
 
+def steps_phrase(records: Sequence[GradNormRecord]) -> str:
+    """``10 steps (steps 0..9)``: the count the monitor's summary and its plot both show."""
+    if not records:
+        return "0 steps"
+    count = f"{len(records)} step{'s' if len(records) != 1 else ''}"
+    return f"{count} (steps {records[0].step}..{records[-1].step})"
+
+
 def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
     """Summary of a recorder's history: steps, last norms, NaN/Inf steps and spikes."""
     if not records:
@@ -217,8 +339,7 @@ def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
     spikes = [records[i].step for i in find_spikes(totals)]
     bad = [r.step for r in records if r.nonfinite]
     lines = [
-        f"{len(records)} steps recorded (steps {records[0].step}..{records[-1].step}); "
-        f"last global norm {number(records[-1].total)}",
+        f"{steps_phrase(records)} recorded; last global norm {number(records[-1].total)}",
         f"NaN/Inf at steps: {bad if bad else 'none'}",
         f"spikes at steps: {spikes if spikes else 'none'}",
     ]

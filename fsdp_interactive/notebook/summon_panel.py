@@ -9,6 +9,7 @@ from typing import Any
 from fsdp_interactive.inspect import TensorStats
 from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import figure_html, figure_png
+from fsdp_interactive.notebook._groups import check_pattern, matches
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
 from fsdp_interactive.notebook.rank_model import RankModel
@@ -23,7 +24,13 @@ class SummonPanel(View):
     tensor: ``"x[0] = 0"`` or ``"x * 0.5"``) and writes it back, like
     ``summon_full_params(writeback=True)``; without ``confirm=True`` it refuses and changes
     nothing.  In the widget, Apply asks for a second click on Confirm.
+
+    A model has hundreds of parameters and more modules: the filter box (``filter(pattern)``,
+    a substring or a glob) narrows the tensor list to the matches, at most
+    ``max_choices`` of them; the tensor shown stays in the list.
     """
+
+    max_choices = 200
 
     def __init__(self, source: RankModel, fqn: str | None = None, bins: int = 40):
         if not isinstance(source, RankModel):
@@ -38,7 +45,26 @@ class SummonPanel(View):
         self.pending: str | None = None
         self.message = ""
         self.error: ErrorNote | None = None
+        self.pattern: str | None = None
         self.data: TensorStats = source.summon(fqn or params[0], bins)
+
+    def choices(self, pattern: str | None = None) -> tuple[list[tuple[str, str]], int]:
+        """(label, FQN) of the parameters, then the modules, matching ``pattern`` (at most
+        :attr:`max_choices`; the selected tensor always among them) and how many matched."""
+        pattern = check_pattern(pattern)
+        everything = [(p, p) for p in self.params] + [(f"{m} (module)", m) for m in self.modules]
+        matched = [(label, fqn) for label, fqn in everything if matches(fqn, pattern)]
+        shown = matched[: self.max_choices]
+        if all(fqn != self.fqn for _, fqn in shown):
+            label = self.fqn if self.fqn in self.params else f"{self.fqn} (module)"
+            shown.insert(0, (label, self.fqn))
+        return shown, len(matched)
+
+    def filter(self, pattern: str | None) -> int:
+        """Narrow the tensor list to ``pattern``; returns how many tensors match."""
+        self.pattern = check_pattern(pattern)
+        self._changed()
+        return self.choices(self.pattern)[1]
 
     @property
     def fqn(self) -> str:
@@ -114,8 +140,19 @@ class SummonPanel(View):
     def _build_widget(self) -> Any:
         import ipywidgets as w
 
-        options = [(p, p) for p in self.params] + [(f"{m} (module)", m) for m in self.modules]
-        self._choice = w.Dropdown(options=options, value=self.fqn, description="tensor")
+        options, _ = self.choices(self.pattern)
+        self._filter = w.Text(
+            value=self.pattern or "",
+            placeholder="filter: layers.1*  or  q_proj",
+            description="filter",
+            continuous_update=False,
+            layout=w.Layout(width="260px"),
+        )
+        self._filter.observe(lambda change: self.filter(change["new"]), names="value")
+        self._matches = w.HTML()
+        self._choice = w.Dropdown(
+            options=options, value=self.fqn, description="tensor", layout=w.Layout(width="420px")
+        )
         self._choice.observe(self._on_choice, names="value")
         self._select = self._clicked(lambda: self.select(self._choice.value), "gathering")
         self._stats = w.HTML()
@@ -130,7 +167,7 @@ class SummonPanel(View):
         self._cancel_button.on_click(lambda _: self.cancel())
         return w.VBox(
             [
-                self._choice,
+                w.HBox([self._filter, self._choice, self._matches]),
                 w.HBox([self._stats, self._image]),
                 w.HBox(
                     [
@@ -146,16 +183,35 @@ class SummonPanel(View):
         )
 
     def _on_choice(self, change: dict[str, Any]) -> None:
-        if change["new"] != self.fqn:
+        if change["new"] is not None and change["new"] != self.fqn and not self._syncing:
             self._select()
+
+    _syncing = False
 
     def _confirm_quietly(self) -> None:
         with contextlib.suppress(Exception):  # the message is already in the panel
             self.confirm()
 
     def _update_widget(self) -> None:
-        if self._choice.value != self.fqn:
-            self._choice.value = self.fqn
+        options, matched = self.choices(self.pattern)
+        self._syncing = True
+        try:
+            if list(self._choice.options) != options:
+                self._choice.options = options
+            if self._choice.value != self.fqn:
+                self._choice.value = self.fqn
+            if self._filter.value != (self.pattern or ""):
+                self._filter.value = self.pattern or ""
+        finally:
+            self._syncing = False
+        shown = len(options)
+        self._matches.value = (
+            f"<i>{min(shown, matched)} of {matched} shown: refine the filter</i>"
+            if matched > self.max_choices
+            else f"<i>{matched} match</i>"
+            if self.pattern
+            else ""
+        )
         self._stats.value = stats_html(self.data)
         self._image.value = figure_png(self.figure())
         editable = self.fqn in self.params

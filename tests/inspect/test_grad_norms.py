@@ -154,3 +154,16 @@ def test_an_overlapped_recorder_records_exactly_what_an_in_step_one_does(ranks2)
         assert [r.total for r in background[:2]] == [r.total for r in in_step[:2]]
         assert background[2].nan_count == in_step[2].nan_count == 1
         assert math.isnan(background[2].total)
+
+
+def test_norm_per_fsdp_unit_combines_the_units_parameters(ranks2):
+    from fsdp_interactive.inspect import combine_norms
+
+    results = ranks2.run(_norms_vs_reference, 2.0)
+    for probe, ref_params, ref_block, _ in results:
+        assert probe.unit_of["block.0.weight"] == "block" and probe.unit_of["embed.bias"] == ""
+        assert probe.units["block"] == pytest.approx(ref_block, rel=RTOL)
+        root = [ref_params["embed.weight"], ref_params["embed.bias"]]
+        assert probe.units[""] == pytest.approx(combine_norms(root, 2.0), rel=RTOL)
+        assert combine_norms([3.0, 4.0], 2.0) == 5.0 and combine_norms([], 2.0) == 0.0
+        assert combine_norms([3.0, 4.0], math.inf) == 4.0

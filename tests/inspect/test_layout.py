@@ -64,3 +64,42 @@ def test_plain_module_is_replicated_on_every_rank(ranks2):
     assert merged.param("weight").slices[1].local_shape == (2, 4)
     assert len(merged.param("weight").slices) == world
     assert not merged.param("weight").is_dtensor
+
+
+def _units_on_rank():
+    from tests.models import wrapped_and_reference
+
+    sharded, _ = sharded_and_reference()
+    wrapped, _ = wrapped_and_reference()
+    described = layout(sharded, params_from_rank=1)
+    return layout(sharded), layout(wrapped), described
+
+
+def test_each_parameter_names_the_fsdp_unit_that_manages_it(ranks2):
+    results = ranks2.run(_units_on_rank)
+    expected = {"embed.weight": "", "embed.bias": "", "block.0.weight": "block"}
+    for plain, wrapped, _ in results:
+        for rank_layout in (plain, wrapped):
+            units = {p.fqn: p.unit for p in rank_layout.params}
+            assert {n: units[n] for n in expected} == expected
+            assert units["block.2.bias"] == "block"
+
+
+def test_params_from_rank_describes_the_parameters_once(ranks2):
+    results = ranks2.run(_units_on_rank)
+    described = [r[2] for r in results]
+    assert [len(d.params) for d in described] == [0, len(results[0][0].params)]
+    merged = merge_layouts(described)
+    full = merge_layouts([r[0] for r in results])
+    assert merged.params == full.params
+    assert [t.param_bytes for t in merged.ranks] == [t.param_bytes for t in full.ranks]
+    assert all(t.host for t in merged.ranks)
+
+
+def _plain_units():
+    return layout(torch.nn.Linear(4, 2)).params
+
+
+def test_a_parameter_no_fsdp_unit_manages_has_no_unit(ranks2):
+    params, _ = ranks2.run(_plain_units)
+    assert [p.unit for p in params] == [None, None]

@@ -44,6 +44,18 @@ CELLS = [
     "source = RankModel(current_pool(), 'model')\n"
     "LayoutView(source)",
     "GradNormView(source)",
+    # A Llama-sized parameter count (305): the views must group it by FSDP unit.
+    "%%fsdp --no-stream\n"
+    "from tests.models import TinyLM\n"
+    "big = TinyLM(n_blocks=25)\n"
+    "for block in big.blocks:\n"
+    "    fully_shard(block, mesh=init_device_mesh('cpu', (world_size,)))\n"
+    "fully_shard(big, mesh=init_device_mesh('cpu', (world_size,)))\n"
+    "big(torch.randint(0, 32, (2, 8))).square().mean().backward()",
+    "big_source = RankModel(current_pool(), 'big')\nLayoutView(big_source)",
+    "GradNormView(big_source, by='units', top=8)",
+    "import tempfile\nfrom fsdp_interactive.notebook import CheckpointPanel\n"
+    "CheckpointPanel(source, tempfile.mkdtemp(prefix='fsdpi-ckpt-'))",
     "%%fsdp\nimport fsdp_interactive\nprobe_value = 40 + rank\n"
     "fsdp_interactive.breakpoint(rank=1)\nprint('after the breakpoint:', probe_value)",
     "%fsdp stop\nprint('pool stopped')",
@@ -185,15 +197,28 @@ def test_widgets_render_in_jupyterlab(lab):
             shots = REPO / "out" / "figures"
             with contextlib.suppress(OSError):
                 shots.mkdir(parents=True, exist_ok=True)
-            page.screenshot(
-                path=str((shots if shots.is_dir() else tmp_path) / "jupyterlab_widgets.png"),
-                full_page=True,
-            )
+            folder = shots if shots.is_dir() else tmp_path
+            page.screenshot(path=str(folder / "jupyterlab_widgets.png"), full_page=True)
+            # The notebook scrolls inside the page: one picture per widget output, to look at.
+            widgets = page.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-box"))
+            for index in range(widgets.count()):
+                widgets.nth(index).screenshot(path=str(folder / f"jupyterlab_widget_{index}.png"))
             for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
                 assert name in text
+            # 305 parameters: 25 alike blocks fold into one unit row, the rest is cut to top k
+            assert "blocks.{0..24}" in text
+            notes = " ".join(page.locator(".widget-html-content").all_inner_texts())
+            assert "showing 30 of 305 parameters" in notes
+            assert page.locator("input[placeholder^='filter']").count() >= 4
+            save = page.locator(".widget-button").filter(has_text="Save now").first
+            assert save.evaluate("b => b.scrollWidth <= b.clientWidth + 1"), "Save now is cut"
+            assert save.bounding_box()["width"] >= 80
+            progress = page.locator(".widget-hprogress").first
+            assert progress.bounding_box()["width"] >= 150
             assert page.locator(".widget-image").count() >= 2
             html_texts = page.locator(".widget-html-content").all_inner_texts()
-            assert any("global norm:" in t for t in html_texts)
+            # one statement of the global norm per gradient-norm view (there are two)
+            assert sum(t.count("global L2 gradient norm") for t in html_texts) == 2
             outputs = " ".join(page.locator(".jp-OutputArea-output").all_inner_texts())
             assert "rank 1 stopped; the other ranks wait" in outputs
             assert "after the breakpoint: 40" in outputs

@@ -244,3 +244,21 @@ def test_a_failing_edit_shows_the_error_line_first_and_only_the_users_frame(sour
     panel._expression.value = "x * 1"
     panel._apply_button.click()
     assert "edit failed" not in panel._status.value  # a new request clears the error
+
+
+def test_summon_panel_filter_narrows_the_tensor_list(source):
+    panel = SummonPanel(source, fqn="embed.weight")
+    assert panel.widget is not None
+    panel._filter.value = "block.2"
+    labels = [label for label, _ in panel._choice.options]
+    assert labels == ["embed.weight", "block.2.weight", "block.2.bias", "block.2 (module)"]
+    assert panel.fqn == "embed.weight"  # filtering does not gather another tensor
+    assert "3 match" in panel._matches.value
+    assert panel.filter("*.bias") == 3
+    panel.max_choices = 2
+    options, matched = panel.choices(None)
+    assert matched == len(panel.params) + len(panel.modules) and len(options) == 2
+    panel.filter(None)
+    assert "of" in panel._matches.value and "refine the filter" in panel._matches.value
+    with pytest.raises(TypeError, match="pattern must be a string"):
+        panel.filter(7)
