@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any torch in the range pyproject.toml allows.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint clean bench setup-torch test-torch
+.PHONY: setup demo test lint clean bench bench-gpu setup-torch test-torch
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -52,6 +52,12 @@ test-torch: setup-torch
 # docs/benchmarks.md (+ .png, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
+
+# On a host with 2+ CUDA devices: the GPU figure (merged into docs/benchmarks.*), then
+# every CUDA-marked test.
+bench-gpu: setup
+	$(PY) -m bench --gpu $(BENCH_ARGS)
+	$(PY) -m pytest -m cuda -q
 
 clean:
 	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache

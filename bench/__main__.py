@@ -3,7 +3,10 @@
 Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
 ``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
 raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
-``--render-only`` (re-render the report from an existing ``benchmarks.json``).
+``--render-only`` (re-render the report from an existing ``benchmarks.json``),
+``--gpu`` (the CUDA/NCCL figure, :mod:`bench.gpu`, merged into the report),
+``--merge`` (with ``--only``: keep the other figures of ``OUT/benchmarks.json`` and
+replace only those measured now; each figure's section says when it was measured).
 A figure that fails is reported as failed (with its traceback) and the others still run;
 the exit status is then 1.
 """
@@ -18,18 +21,21 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.report import REPO_ROOT, RunInfo, load_results, write_report
+from bench.report import REPO_ROOT, RunInfo, load_results, now_and_load, write_report
 from bench.runner import FigureResult, Settings
 
 # Figure keys in report order; each is a module ``bench.<key>`` with ``run(Settings)``.
 FIGURES: tuple[str, ...] = (
     "dispatch",
     "cold_start",
+    "death",
+    "probes",
     "train_step",
     "memory",
     "grad_norm",
     "checkpoint",
     "debug_cost",
+    "state_scaling",
 )
 
 
@@ -52,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated figure keys out of {','.join(FIGURES)}",
     )
     parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run the GPU figure (needs 2+ CUDA devices) and merge it into OUT's report",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the figures of OUT/benchmarks.json that this run does not measure",
+    )
+    parser.add_argument(
         "--render-only",
         action="store_true",
         help="re-render the report from OUT/benchmarks.json without measuring",
@@ -72,6 +88,7 @@ def _figure_list(text: str) -> tuple[str, ...]:
 def run_figure(key: str, settings: Settings) -> FigureResult:
     """Run one figure; a failure becomes a FigureResult carrying the traceback."""
     module = importlib.import_module(f"bench.{key}")
+    began = now_and_load()
     start = time.perf_counter()
     try:
         result = module.run(settings)
@@ -80,7 +97,25 @@ def run_figure(key: str, settings: Settings) -> FigureResult:
         title = (module.__doc__ or key).strip().splitlines()[0]
         result.title = title.split(":", 1)[1].strip().split(":")[0] if ":" in title else key
     result.seconds = time.perf_counter() - start
+    result.measured = f"from {began} to {now_and_load()}"
     return result
+
+
+def _merged(previous: Path, measured: list[FigureResult]) -> list[FigureResult]:
+    """``measured`` plus the figures of ``previous`` it does not replace, in report order."""
+    if not previous.is_file():
+        return measured
+    info, kept = load_results(previous)
+    for figure in kept:
+        if not figure.measured:
+            figure.measured = (
+                f"in an earlier run, from {info.started} (load average {info.load_before}) to "
+                f"{info.finished} (load average {info.load_after}), `{info.command}`"
+            )
+    by_key = {f.key: f for f in kept}
+    by_key.update({f.key: f for f in measured})
+    order = {key: index for index, key in enumerate(FIGURES)}
+    return sorted(by_key.values(), key=lambda f: order.get(f.key, len(order)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_report(info, figures, args.out)
         print(f"re-rendered {paths['md']} and {paths['png']}")
         return 0
+    if args.gpu:
+        args.only, args.merge = ("gpu",), True
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     settings = Settings(quick=args.quick)
     info = RunInfo.collect(quick=args.quick, command=command.strip())
@@ -107,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             print(result.error, file=sys.stderr, flush=True)
         figures.append(result)
     info.finish()
+    if args.merge:
+        figures = _merged(args.out / "benchmarks.json", figures)
     paths = write_report(info, figures, args.out)
     print(f"[bench] wrote {paths['md']}, {paths['png']} and {paths['json']}")
     return 1 if any(f.error for f in figures) else 0

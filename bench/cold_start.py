@@ -1,4 +1,4 @@
-"""Figure 2, cold start: from nothing to a usable process group of ``N`` ranks.
+"""Figure 2, cold start: from nothing to a usable process group of ``N`` ranks, 1 to 8.
 
 * ``Pool(N).start()`` (ours): engines started, ``torch.distributed`` group formed; timed
   until ``start()`` returns.  The pool is stopped (untimed) before the next sample.
@@ -9,9 +9,9 @@
 The two alternate, sample by sample, with two more rows that are not compared with a
 target: the same ``Pool.start()`` with ipyparallel's own local launcher (every engine
 started from scratch once the controller is up, importing torch on its first call; what
-the pool did before it forked its engines), and ``Pool.restart()`` of the started pool
-(the engine forker is kept, so no torch import happens).  Target: ours <= 1.0x
-torchrun.
+the pool did before it forked its engines; one sample per world size), and
+``Pool.restart()`` of the started pool (the engine forker is kept, so no torch import
+happens).  Target: ours <= 1.0x torchrun at every world size.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from bench.availability import missing
-from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main
+from bench.runner import Comparison, Curve, FigureResult, Settings, Stat, Target, figure_main
 from bench.torchrun import relaunch
 
 POOL = "Pool(N).start() (ours)"
@@ -31,14 +31,16 @@ RESTART = "Pool.restart() of a started pool (ours)"
 FROM_SCRATCH_ARGS = {"send_engines_connection_env": True}
 
 
-def pool_start_seconds(world: int, restart: bool = False, **cluster_kwargs: object):
+def pool_start_seconds(
+    world: int, restart: bool = False, devices: str | None = "cpu", **cluster_kwargs: object
+):
     """Seconds ``Pool(world).start()`` takes (and ``restart()`` after it, if asked).
 
     Returns ``(start_s, restart_s or None)``; the pool is stopped afterwards.
     """
     from fsdp_interactive.pool import Pool
 
-    pool = Pool(world, devices="cpu", show_topology=False, **cluster_kwargs)
+    pool = Pool(world, devices=devices, show_topology=False, **cluster_kwargs)
     try:
         begin = time.perf_counter()
         pool.start()
@@ -54,56 +56,67 @@ def pool_start_seconds(world: int, restart: bool = False, **cluster_kwargs: obje
 
 
 def run(settings: Settings) -> FigureResult:
-    """Cold start: Pool.start() to a ready process group vs torchrun."""
+    """Cold start: Pool.start() to a ready process group vs torchrun, at 1 to 8 ranks."""
     result = FigureResult("cold_start", "Cold start (launch to a ready process group)")
     unavailable = missing("fsdp_interactive.pool", "Pool")
     reps = 1 if settings.quick else 3
     result.notes.append(
-        f"{reps} sample(s) per contender, alternated; no warm-up beyond the OS cache."
+        f"{reps} sample(s) per contender and world size, alternated; no warm-up beyond the "
+        "OS cache. Engines started from scratch: one sample per world size (full mode only). "
+        "Above 2 ranks the ranks outnumber this machine's cores."
     )
-    for world in settings.world_sizes:
-        case = f"{world} ranks"
-        pool_samples: list[float] = []
-        restart_samples: list[float] = []
-        scratch_samples: list[float] = []
-        torchrun_samples: list[float] = []
+    series: dict[str, dict[int, Stat]] = {POOL: {}, RESTART: {}, FROM_SCRATCH: {}, TORCHRUN: {}}
+    for world in settings.scaling_worlds:
+        case = f"{world} rank{'s' if world > 1 else ''}"
+        samples: dict[str, list[float]] = {name: [] for name in series}
         for _ in range(reps):
             if not unavailable:
                 started, restarted = pool_start_seconds(world, restart=True)
-                pool_samples.append(started)
-                restart_samples.append(restarted)
-                if not settings.quick:
-                    scratch_samples.append(pool_start_seconds(world, **FROM_SCRATCH_ARGS)[0])
-            torchrun_samples.append(relaunch(world).ready_s)
-        subject = Stat(pool_samples, "s") if pool_samples else None
-        reference = Stat(torchrun_samples, "s")
-        result.measurements[f"{case}: {TORCHRUN}"] = reference
-        if subject is not None:
-            result.measurements[f"{case}: {POOL}"] = subject
-            restarts = Stat(restart_samples, "s")
-            result.measurements[f"{case}: {RESTART}"] = restarts
-            result.notes.append(
-                f"{case}: Pool.restart() took {restarts.median:.2f} s "
-                f"({restarts.median / reference.median:.2f}x torchrun's start)."
+                samples[POOL].append(started)
+                samples[RESTART].append(restarted)
+            samples[TORCHRUN].append(relaunch(world).ready_s)
+        if not unavailable and not settings.quick:
+            samples[FROM_SCRATCH].append(pool_start_seconds(world, **FROM_SCRATCH_ARGS)[0])
+        for name, values in samples.items():
+            if values:
+                series[name][world] = Stat(values, "s")
+                result.measurements[f"{case}: {name}"] = series[name][world]
+        reference = series[TORCHRUN][world]
+        for name, target, note in (
+            (POOL, Target("<=", 1.0), ""),
+            (RESTART, None, "no target: what a restart costs next to a relaunch"),
+        ):
+            result.comparisons.append(
+                Comparison(
+                    figure=result.key,
+                    case=case,
+                    subject_name=name,
+                    reference_name=TORCHRUN,
+                    subject=series[name].get(world),
+                    reference=reference,
+                    target=target,
+                    unavailable=unavailable,
+                    note=note,
+                    paired=True,
+                )
             )
-        if scratch_samples and subject is not None:
-            scratch = Stat(scratch_samples, "s")
-            result.measurements[f"{case}: {FROM_SCRATCH}"] = scratch
-            result.notes.append(
-                f"{case}: with engines started from scratch, Pool.start() took "
-                f"{scratch.median:.2f} s ({scratch.median / reference.median:.2f}x torchrun) "
-                f"instead of {subject.median:.2f} s."
-            )
-        result.comparisons.append(
-            Comparison(
+    for name, stats in series.items():
+        if not stats:
+            continue
+        worlds = sorted(stats)
+        curve_reference = TORCHRUN if name in (POOL, RESTART) else None
+        result.curves.append(
+            Curve(
                 figure=result.key,
-                case=case,
-                subject_name=POOL,
-                reference_name=TORCHRUN,
-                subject=subject,
-                reference=reference,
-                target=Target("<=", 1.0),
-                unavailable=unavailable,
+                panel="Start to a ready process group",
+                name=name,
+                x_label="ranks",
+                xs=[float(w) for w in worlds],
+                values=[stats[w] for w in worlds],
+                reference=curve_reference,
+                target=Target("<=", 1.0) if name == POOL else None,
+                ours=name != TORCHRUN,
+                paired=curve_reference is not None,
             )
         )
     return result

@@ -56,6 +56,7 @@ def _rank_main(
     args: tuple[Any, ...],
     outbox: mp.Queue,
     env: dict[str, str],
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -73,8 +74,10 @@ def _rank_main(
         torch.set_num_threads(threads)
         if env:
             dist.set_debug_level_from_env()
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -98,8 +101,11 @@ def run_on_ranks(
     threads: int = 1,
     pg_timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Spawn ``world_size`` gloo ranks, run ``fn(*args)`` on each, return results by rank.
+
+    ``backend="nccl"``: rank ``r`` uses CUDA device ``r`` and the group is NCCL's.
 
     ``pg_timeout`` bounds each collective, so a rank stuck in one fails instead of hanging.
     """
@@ -111,7 +117,18 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads, pg_timeout, fn, args, outbox, dict(env or {})),
+            args=(
+                rank,
+                world_size,
+                port,
+                threads,
+                pg_timeout,
+                fn,
+                args,
+                outbox,
+                dict(env or {}),
+                backend,
+            ),
             name=f"bench-rank-{rank}",
             daemon=True,
         )

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import findings as findings_file
+from bench.curves_report import curves_markdown, render_curves
 from bench.runner import Comparison, FigureResult, Stat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SCALING_PLOT = "benchmarks_scaling.png"
 
 
 @dataclass
@@ -59,6 +61,11 @@ class RunInfo:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def now_and_load() -> str:
+    """ "2026-12-03 13:10:04 UTC (load average 1.52 1.61 2.03)": when, and how busy."""
+    return f"{_now()} (load average {_load()})"
 
 
 def _load() -> str:
@@ -162,12 +169,16 @@ def fmt_ratio(comparison: Comparison) -> str:
 
 
 def verdict(comparison: Comparison) -> str:
-    met = comparison.met
+    """ "met", "**missed**", "unresolved [low, high]" (the noise straddles the target)."""
     if comparison.unavailable:
         return "—"
-    if met is None:
+    outcome = comparison.verdict
+    if outcome is None:
         return "n/a"
-    return "met" if met else "**missed**"
+    if outcome == "unresolved":
+        low, high = comparison.interval or (comparison.ratio, comparison.ratio)
+        return f"unresolved [{low:.3f}, {high:.3f}]"
+    return "met" if outcome == "met" else "**missed**"
 
 
 def ratio_range(comparison: Comparison) -> tuple[float, float] | None:
@@ -217,8 +228,16 @@ def render_markdown(
         "ratio measured in this one run, contenders alternated sample by sample, because the "
         "machine is small and shared (other work ran at the same time, see the load "
         "average). Each value is the median of several repetitions after warm-up, with the "
-        "min and max of the samples in brackets. A ratio is computed from medians; the plot's "
-        "whiskers show the widest ratio the min and max allow."
+        "min and max of the samples in brackets. Where two contenders were alternated round "
+        "by round, the ratio is the median of the per-round ratios (which cancels the "
+        "machine's drift between rounds), else the ratio of the medians. A result is `met` "
+        "or `missed` only when the ratio's 95% confidence interval (two order statistics of "
+        "the per-round ratios; unpaired, the widest ratio the two medians' intervals allow) "
+        "lies wholly on one side of the target, and `unresolved [low, high]` otherwise: the "
+        "noise of the run cannot tell. The summary plot's whiskers show the widest ratio "
+        "the samples' min and max allow; the scaling plot's show the intervals. Rows named "
+        "A/A control compare two identical contenders: their distance from 1 is the run's "
+        "noise floor."
     )
     add("")
     add("## Summary")
@@ -244,6 +263,7 @@ def render_markdown(
     add("")
     add(f"![Ratios against targets]({plot_name})")
     add("")
+    lines += curves_markdown(figures, SCALING_PLOT)
     missed = [
         (figure, c)
         for figure in figures
@@ -281,6 +301,8 @@ def render_markdown(
             add("```")
             add("")
             continue
+        if figure.measured:
+            add(f"- Measured {figure.measured}.")
         for note in figure.notes:
             add(f"- {note}")
         if figure.notes:
@@ -301,13 +323,17 @@ def render_markdown(
         add("")
     add("## Not measured here")
     add("")
-    add(
-        "- CUDA/NCCL figures: this machine has no GPU, so every figure above uses CPU ranks "
-        "with gloo. On a GPU machine the same command measures the same contenders on CPU "
-        "ranks; a CUDA/NCCL section is not produced yet. Comparing sharded training needs "
-        "at least two GPUs on one host: NCCL refuses two ranks on one device, and at world "
-        "size 1 torch's FSDP1 switches FULL_SHARD to NO_SHARD."
-    )
+    if not any(f.key == "gpu" and not f.error for f in figures):
+        add(
+            "- CUDA/NCCL figures are not measured yet: no GPU was available, so every figure "
+            "above uses CPU ranks with gloo. On a host with at least two CUDA devices, "
+            "`make bench-gpu` (`python -m bench --gpu`, then `pytest -m cuda`) measures NCCL "
+            "dispatch, start, steps/s, MFU and memory per device of ours against torch FSDP1 "
+            "and `fully_shard` by hand, merges them into this report and runs every "
+            "CUDA-marked test. Sharded training needs two GPUs or more: NCCL refuses two "
+            "ranks on one device, and at world size 1 torch's FSDP1 switches FULL_SHARD to "
+            "NO_SHARD."
+        )
     add(
         "- The `%%fsdp` round trip is measured in a real IPython shell inside the benchmark "
         "process, not through a Jupyter kernel: the kernel's own ZMQ message from the "
@@ -495,8 +521,26 @@ def write_report(info: RunInfo, figures: list[FigureResult], out_dir: Path) -> d
     }
     paths["json"].write_text(json.dumps(payload, indent=1) + "\n")
     render_plot(figures, paths["png"])
-    paths["md"].write_text(render_markdown(info, figures, paths["png"].name))
+    scaling = out_dir / SCALING_PLOT
+    if render_curves(figures, scaling):
+        paths["scaling_png"] = scaling
+    text = render_markdown(info, figures, paths["png"].name)
+    paths["md"].write_text(text + _kept_sections(paths["md"]))
     return paths
+
+
+# Sections of benchmarks.md written by other commands (their own headings say how); a
+# rerun of the report keeps them, from their heading to the end of the file.
+KEPT_SECTIONS = ("## Notebook views at real sizes",)
+
+
+def _kept_sections(md: Path) -> str:
+    if not md.is_file():
+        return ""
+    old = md.read_text()
+    starts = [old.find(f"\n{heading}") for heading in KEPT_SECTIONS]
+    starts = [s for s in starts if s >= 0]
+    return old[min(starts) :].rstrip("\n") + "\n" if starts else ""
 
 
 def load_results(path: Path) -> tuple[RunInfo, list[FigureResult]]:

@@ -3,10 +3,15 @@
 * :class:`Stat`: the samples of one measured quantity (median, min, max).
 * :func:`measure`: time a callable: warm-up calls first, then the median of several
   repetitions.
-* :class:`Comparison`: one side-by-side ratio (ours vs a reference) with its target; the
-  subject may be missing ("not available yet"), in which case no ratio is invented.
-* :class:`FigureResult`: what one figure script returns: its comparisons, every raw
-  measurement it took, and free-text notes.
+* :class:`Comparison`: one side-by-side ratio (ours vs a reference) with its target and
+  a verdict that takes the noise into account (:func:`median_interval`): "met" or
+  "missed" only when the ratio's confidence interval lies on one side of the target,
+  "unresolved" otherwise; the subject may be missing ("not available yet"), in which
+  case no ratio is invented.
+* :class:`Curve`: one quantity measured at several sizes (ranks, parameters, bytes), for
+  the scaling plots and the growth the report states (:mod:`bench.growth`).
+* :class:`FigureResult`: what one figure script returns: its comparisons, curves, every
+  raw measurement it took, and free-text notes.
 * :class:`Settings`: full vs quick mode sizes, shared by the figure scripts.
 
 Nothing here starts processes; figures that need ranks use :mod:`bench.ranks`.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -60,6 +66,27 @@ class Stat:
         return cls(samples=list(data["samples"]), unit=data["unit"])
 
 
+def median_interval(samples: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median: two order statistics.
+
+    The ``k``-th smallest and ``k``-th largest sample, with the largest ``k`` for which the
+    median lies outside with probability at most ``1 - confidence`` (binomial with p = 1/2).
+    Below 6 samples no such ``k`` exists at 95% and the interval is [min, max], whose
+    confidence is lower (94% at 5 samples, 75% at 3).
+    """
+    if not samples:
+        raise ValueError("median_interval needs at least one sample")
+    ordered = sorted(samples)
+    n = len(ordered)
+    alpha = (1.0 - confidence) / 2
+    # P(fewer than k + 1 samples fall below the median) <= alpha, k as large as it allows.
+    k, below = 0, 1.0 / 2**n
+    while k + 1 <= (n - 1) // 2 and below + math.comb(n, k + 1) / 2**n <= alpha:
+        below += math.comb(n, k + 1) / 2**n
+        k += 1
+    return ordered[k], ordered[n - 1 - k]
+
+
 def measure(fn: Callable[[], Any], *, reps: int, warmup: int = 1, unit: str = "s") -> Stat:
     """Wall time of ``fn()``: ``warmup`` untimed calls, then ``reps`` timed ones."""
     if reps < 1:
@@ -76,22 +103,36 @@ def measure(fn: Callable[[], Any], *, reps: int, warmup: int = 1, unit: str = "s
     return Stat(samples, unit)
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """``names`` rotated by ``round_index``: the order of one round of alternated samples.
+
+    Rotating the order from round to round gives every contender every position in turn,
+    so what one contender leaves behind (warm caches, a pending garbage collection) does
+    not always land on the same other contender.
+    """
+    if not names:
+        return []
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def measure_interleaved(
     fns: dict[str, Callable[[], Any]], *, reps: int, warmup: int = 1, unit: str = "s"
 ) -> dict[str, Stat]:
     """Like :func:`measure` for several callables, alternated call by call.
 
-    Alternating (a, b, c, a, b, c, ...) spreads the machine's noise evenly over the
-    contenders, which is what makes their ratio meaningful on a shared machine.
+    Alternating (a, b, c, b, c, a, ...; see :func:`rotated`) spreads the machine's noise
+    evenly over the contenders, which is what makes their ratio meaningful on a shared
+    machine: sample ``i`` of every contender comes from the same round (paired samples).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for index in range(reps):
+        for name in rotated(list(fns), index):
             start = time.perf_counter()
-            fn()
+            fns[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: Stat(values, unit) for name, values in samples.items()}
 
@@ -114,13 +155,22 @@ class Target:
         return f"{self.op} {self.value:g}x"
 
 
+Verdict = Literal["met", "missed", "unresolved"]
+
+
 @dataclass
 class Comparison:
     """One ratio of the report: ``subject`` measured against ``reference``.
 
     ``ratio`` is ``subject/reference`` of the medians, or ``reference/subject`` when
-    ``inverse`` is set (for "N times faster than" figures).  When ``subject`` is ``None``
-    the row says ``unavailable`` (why) and carries no ratio.
+    ``inverse`` is set (for "N times faster than" figures).  ``paired``: the two were
+    sampled alternately, sample ``i`` of one next to sample ``i`` of the other; the ratio
+    is then the median of the per-pair ratios, which cancels the machine's drift between
+    pairs.  ``interval`` is the ratio's confidence interval (:func:`median_interval` of
+    the per-pair ratios; unpaired, the widest ratio the two medians' intervals allow), and
+    the verdict is "met" or "missed" only when all of it lies on one side of the target,
+    else "unresolved".  When ``subject`` is ``None`` the row says ``unavailable`` (why)
+    and carries no ratio.
     """
 
     figure: str
@@ -133,22 +183,64 @@ class Comparison:
     inverse: bool = False
     unavailable: str | None = None
     note: str = ""
+    paired: bool = False
+
+    def _pair_ratios(self) -> list[float] | None:
+        s, r = self.subject, self.reference
+        if not self.paired or s is None or r is None or len(s.samples) != len(r.samples):
+            return None
+        pairs = zip(s.samples, r.samples, strict=True)
+        if self.inverse:
+            return [b / a for a, b in pairs if a]
+        return [a / b for a, b in pairs if b]
 
     @property
     def ratio(self) -> float | None:
         if self.subject is None or self.reference is None:
             return None
+        pair_ratios = self._pair_ratios()
+        if pair_ratios:
+            return float(statistics.median(pair_ratios))
         num, den = self.subject.median, self.reference.median
         if self.inverse:
             num, den = den, num
         return num / den if den else None
 
     @property
-    def met(self) -> bool | None:
+    def interval(self) -> tuple[float, float] | None:
+        """The ratio's confidence interval (low, high); None without a ratio."""
+        if self.ratio is None:
+            return None
+        pair_ratios = self._pair_ratios()
+        if pair_ratios:
+            return median_interval(pair_ratios)
+        assert self.subject is not None and self.reference is not None
+        s_lo, s_hi = median_interval(self.subject.samples)
+        r_lo, r_hi = median_interval(self.reference.samples)
+        if self.inverse:
+            s_lo, s_hi, r_lo, r_hi = r_lo, r_hi, s_lo, s_hi
+        if r_lo <= 0 or r_hi <= 0:
+            return None
+        return s_lo / r_hi, s_hi / r_lo
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """ "met", "missed", "unresolved" (the interval straddles the target), or None."""
         ratio = self.ratio
         if ratio is None or self.target is None:
             return None
-        return self.target.met(ratio)
+        low, high = self.interval or (ratio, ratio)
+        ends = {self.target.met(low), self.target.met(high), self.target.met(ratio)}
+        if ends == {True}:
+            return "met"
+        if ends == {False}:
+            return "missed"
+        return "unresolved"
+
+    @property
+    def met(self) -> bool | None:
+        """True when met, False when missed, None when unresolved or without a target."""
+        return {"met": True, "missed": False}.get(self.verdict or "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -162,7 +254,10 @@ class Comparison:
             "inverse": self.inverse,
             "unavailable": self.unavailable,
             "note": self.note,
+            "paired": self.paired,
             "ratio": self.ratio,
+            "interval": list(self.interval) if self.interval else None,
+            "verdict": self.verdict,
             "met": self.met,
         }
 
@@ -179,6 +274,73 @@ class Comparison:
             inverse=data["inverse"],
             unavailable=data["unavailable"],
             note=data["note"],
+            paired=data.get("paired", False),
+        )
+
+
+@dataclass
+class Curve:
+    """One quantity at several sizes: ``values[i]`` measured at ``xs[i]``.
+
+    Curves sharing a ``panel`` are drawn together (one panel of the figure's plot);
+    ``reference`` names another curve of the same panel that this one is divided by,
+    point by point where both have an x, and ``target`` is what that ratio should meet
+    at every x.  ``x_label`` names the size ("ranks", "parameters", "state size") and
+    ``x_unit`` its unit as :func:`bench.report.fmt_value` knows it ("" for counts, "B").
+    ``per`` scales the slope the report states ("per 1,000 parameters": 1000).
+    ``paired``: each point's samples were alternated with the reference's.
+    """
+
+    figure: str
+    panel: str
+    name: str
+    x_label: str
+    xs: list[float]
+    values: list[Stat]
+    x_unit: str = ""
+    per: float = 1.0
+    reference: str | None = None
+    target: Target | None = None
+    ours: bool = True
+    paired: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.xs) != len(self.values) or not self.xs:
+            raise ValueError(
+                f"curve {self.name!r}: {len(self.xs)} x values for {len(self.values)} values"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "figure": self.figure,
+            "panel": self.panel,
+            "name": self.name,
+            "x_label": self.x_label,
+            "xs": list(self.xs),
+            "values": [v.to_dict() for v in self.values],
+            "x_unit": self.x_unit,
+            "per": self.per,
+            "reference": self.reference,
+            "target": asdict(self.target) if self.target else None,
+            "ours": self.ours,
+            "paired": self.paired,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Curve:
+        return cls(
+            figure=data["figure"],
+            panel=data["panel"],
+            name=data["name"],
+            x_label=data["x_label"],
+            xs=list(data["xs"]),
+            values=[Stat.from_dict(v) for v in data["values"]],
+            x_unit=data.get("x_unit", ""),
+            per=data.get("per", 1.0),
+            reference=data.get("reference"),
+            target=Target(**data["target"]) if data.get("target") else None,
+            ours=data.get("ours", True),
+            paired=data.get("paired", False),
         )
 
 
@@ -193,12 +355,17 @@ class FigureResult:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    curves: list[Curve] = field(default_factory=list)
+    # When it ran and the machine's load then: "2026-12-03 13:10 UTC, load average ...".
+    measured: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,
             "title": self.title,
             "comparisons": [c.to_dict() for c in self.comparisons],
+            "curves": [c.to_dict() for c in self.curves],
+            "measured": self.measured,
             "measurements": {k: v.to_dict() for k, v in self.measurements.items()},
             "notes": list(self.notes),
             "error": self.error,
@@ -211,6 +378,8 @@ class FigureResult:
             key=data["key"],
             title=data["title"],
             comparisons=[Comparison.from_dict(c) for c in data["comparisons"]],
+            curves=[Curve.from_dict(c) for c in data.get("curves", [])],
+            measured=data.get("measured", ""),
             measurements={k: Stat.from_dict(v) for k, v in data["measurements"].items()},
             notes=list(data["notes"]),
             error=data["error"],
@@ -234,7 +403,13 @@ class Settings:
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
+        """World sizes of the training figures (step, recorder)."""
         return (2,) if self.quick else (2, 4)
+
+    @property
+    def scaling_worlds(self) -> tuple[int, ...]:
+        """World sizes of the scaling curves (dispatch, start, death, probes)."""
+        return (2,) if self.quick else (1, 2, 4, 8)
 
 
 def figure_main(run: Callable[[Settings], FigureResult], argv: list[str] | None = None) -> int:
@@ -242,6 +417,10 @@ def figure_main(run: Callable[[Settings], FigureResult], argv: list[str] | None 
     parser = argparse.ArgumentParser(description=run.__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     args = parser.parse_args(argv)
+    from bench.report import now_and_load
+
+    began = now_and_load()
     result = run(Settings(quick=args.quick))
+    result.measured = f"from {began} to {now_and_load()}"
     print(json.dumps(result.to_dict(), indent=2))
     return 0 if result.error is None else 1

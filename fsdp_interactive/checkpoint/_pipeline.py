@@ -25,7 +25,9 @@ removes; the previous checkpoint is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -176,8 +178,30 @@ def plan(request: SaveRequest, mode: Mode, ranks: Ranks, *, started: float) -> S
         return token
 
     partial = _layout.partial_path(final, ranks.run_on_rank0(preflight))
+    _check_shared(partial, ranks)
     logger.info("save %s (%s, %d ranks): writing to %s", final, mode, ranks.size, partial)
     return SavePlan(request, partial, mode, started)
+
+
+def _check_shared(partial: Path, ranks: Ranks) -> None:
+    """Every rank must see the folder rank 0 just created: ranks on several hosts write
+    into one checkpoint, so its folder must be on a file system they share. Otherwise
+    rank 0 removes the (empty) folder and every rank raises the same
+    :class:`CheckpointPathError`, before anything is written."""
+
+    seen = ranks.all_gather((partial.is_dir(), socket.gethostname()))
+    blind = {rank: host for rank, (sees, host) in enumerate(seen) if not sees}
+    if not blind:
+        return
+    if ranks.rank == 0:
+        with contextlib.suppress(OSError):
+            partial.rmdir()
+    where = ", ".join(f"rank {rank} on {host}" for rank, host in sorted(blind.items()))
+    raise CheckpointPathError(
+        f"folder {str(partial.parent)!r} is not shared by all ranks: {where} do not see the "
+        f"folder rank 0 created on {seen[0][1]}; save to a directory every host mounts "
+        "(a shared file system), nothing was written"
+    )
 
 
 def run(plan: SavePlan, captured: Capture, ranks: Ranks) -> SaveHandle:

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_interactive._torch_compat import parameter_slots
 from fsdp_interactive.fsdp._summon import local_slice, summon_full_params
-from fsdp_interactive.fsdp._unit_state import is_unit
+from fsdp_interactive.fsdp._traversal import owned_modules, units
+from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
 from fsdp_interactive.inspect._dtensor import named_parameters
 from fsdp_interactive.inspect._records import TensorStats
 
@@ -38,13 +40,30 @@ def select_params(model: nn.Module, fqn: str) -> list[tuple[str, nn.Parameter]]:
     return chosen
 
 
+def _owning_units(model: nn.Module, chosen: list[tuple[str, nn.Parameter]]) -> list[nn.Module]:
+    """The units of ``model`` whose own parameters include one of ``chosen``, in order."""
+    wanted = {id(param) for _, param in chosen}
+    owners = []
+    for unit in units(model):
+        state = unit_state(unit)
+        assert state is not None
+        modules = owned_modules(state.sharded_module, state.ignored.modules)
+        if any(id(p) in wanted for m in modules for p in parameter_slots(m).values()):
+            owners.append(unit)
+    return owners
+
+
 @contextlib.contextmanager
 def _full_params(
     model: nn.Module, chosen: list[tuple[str, nn.Parameter]], writeback: bool = False
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield name -> full tensor; with ``writeback`` edits of those tensors are kept."""
     if any(is_unit(m) for m in model.modules()):
-        with summon_full_params(model, writeback=writeback):
+        with contextlib.ExitStack() as stack:
+            # Only the units that own the chosen parameters: a probe of one parameter costs
+            # one unit's all-gather, whatever the size of the model.
+            for unit in _owning_units(model, chosen):
+                stack.enter_context(summon_full_params(unit, recurse=False, writeback=writeback))
             full = dict(named_parameters(model))
             missing = [name for name, _ in chosen if name not in full]
             if missing:

@@ -4,7 +4,8 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 :mod:`fsdp_interactive.pool.errors`) are what its calls raise, and ``Pool.state`` is a
 :class:`PoolState`. ``Pool.trace()`` returns a :class:`CollectiveTrace` (per rank a
 :class:`RecorderDump`), ``Pool.interrupt()`` an :class:`InterruptReport` and
-``Pool.debug()`` a :class:`DebuggerOutput`. Rank-side start-up code lives in
+``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
+hosts of an ipyparallel config whether they answer with this kernel's versions. Rank-side start-up code lives in
 :mod:`fsdp_interactive.pool._rank_bootstrap` (free of IPython).
 """
 
@@ -13,6 +14,7 @@ from fsdp_interactive.pool._devices import visible_cuda_device_count
 from fsdp_interactive.pool._dispatch import InterruptReport
 from fsdp_interactive.pool._output import RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import DebuggerOutput, Pool
+from fsdp_interactive.pool._ssh_check import check_hosts as check_ssh_hosts
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool._topology import RankRecord
 from fsdp_interactive.pool.errors import (
@@ -44,5 +46,6 @@ __all__ = [
     "RecorderDump",
     "RunResult",
     "TaggedPrinter",
+    "check_ssh_hosts",
     "visible_cuda_device_count",
 ]

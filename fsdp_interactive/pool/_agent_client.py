@@ -8,7 +8,8 @@ asked the same way:
   one fresh authenticated connection per rank) and returns the replies that came within
   the time limit; a rank missing from the result did not answer (its agent cannot get
   the GIL, or the rank is gone).
-* :meth:`RankAgents.open_links` opens two long-lived connections per rank: the *fault
+* :meth:`RankAgents.open_links` opens two long-lived connections per rank (with TCP
+  keepalive, so that :meth:`RankAgents.lost` notices a rank that is gone): the *fault
   link*, into which the rank's faulthandler writes its stacks on
   :data:`~._rank_agent.STACK_SIGNAL` (the fallback for ranks whose agent does not
   answer: the C handler needs no GIL), and the *event link*, on which a rank stopped at
@@ -118,6 +119,7 @@ class RankAgents:
                 conn.close()
                 raise RuntimeError(f"rank {rank} refused the {kind}: {reply!r}")
             _agent_wire.set_timeout(conn.fileno(), self.timeout)
+            _agent_wire.keep_alive(conn.fileno())
             return rank, kind, conn
 
         jobs = [(rank, kind) for rank in self.addresses for kind in ("fault_link", "event_link")]
@@ -130,6 +132,14 @@ class RankAgents:
                 log.debug("could not open a link: %s", error)
                 continue
             (self._fault if kind == "fault_link" else self._events)[rank] = conn
+
+    def lost(self) -> list[int]:
+        """Ranks whose fault link was closed by the rank's side or broke: the rank's
+        process ended (its host closes its sockets) or its host stopped answering (TCP
+        keepalive, see :mod:`._agent_wire`). Ranks without a link are never listed."""
+        with self._lock:
+            links = dict(self._fault)
+        return sorted(rank for rank, conn in links.items() if _agent_wire.peer_gone(conn.fileno()))
 
     def signal_dumps(
         self, ranks: Sequence[int], send_signal: Callable[[list[int]], None], wait_s: float
@@ -189,6 +199,11 @@ class RankAgents:
                 conn.send({"command": command})
 
     def close(self) -> None:
+        """Close every link; the ranks are told first (:data:`~._agent_wire.GOODBYE`),
+        so that a rank watching for its kernel's end does not take this for it."""
+        for conn in self._fault.values():
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(_agent_wire.GOODBYE)
         for conn in [*self._fault.values(), *self._events.values()]:
             with contextlib.suppress(OSError):
                 conn.close()

@@ -55,6 +55,45 @@ def set_timeout(sock_or_fd: socket.socket | int, seconds: float | None) -> None:
         sock.detach()  # the descriptor belongs to the caller
 
 
+#: What the kernel sends on a fault link before closing it on purpose (see
+#: :mod:`._rank_agent`: a link that ends without it means the kernel is gone).
+GOODBYE = "goodbye"
+#: TCP keepalive of long-lived links: a peer whose host vanished (no FIN, no RST) is
+#: noticed after about ``idle + interval * count`` seconds.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 5, 2, 3
+
+
+def keep_alive(fd: int) -> None:
+    """Switch on TCP keepalive (see :data:`KEEPALIVE_IDLE_S`) on the socket ``fd``."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    finally:
+        sock.detach()  # the descriptor belongs to the caller
+
+
+def peer_gone(fd: int) -> bool:
+    """Whether the peer of socket ``fd`` closed it or the connection broke (reads
+    nothing: what waits in the socket stays there)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # reset, timed out by keepalive
+    finally:
+        sock.detach()
+    return data == b""
+
+
 def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
     """An authenticated connection to the agent at ``address``; reads bounded by ``timeout``.
 

@@ -249,12 +249,20 @@ class Diagnosis:
             tails[rank] = engine.output_tail() if engine is not None else ""
             codes[rank] = engine.exit_code() if engine is not None else None
         log.debug("ranks %s died; exit statuses %s", dead, codes)
+        hosts = {r.host for r in self._records}
+        lost_hosts = []
+        if len(hosts) > 1:
+            for host in sorted(hosts):
+                on_host = [r.rank for r in self._records if r.host == host]
+                if all(rank in dead and codes[rank] is None for rank in on_host):
+                    lost_hosts.append(host)
         return RankDied(
             dead,
             codes,
             tails,
             hosts={rank: records[rank].host for rank in dead},
             pids={rank: records[rank].pid for rank in dead},
+            lost_hosts=lost_hosts,
         )
 
     def blocked_in_collective(

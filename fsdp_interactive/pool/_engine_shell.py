@@ -52,7 +52,8 @@ def code_name(filename: str) -> str | None:
 def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     """Start this engine's agent, then join the group as ``spec`` says.
 
-    ``spec["agent"]``: ``{"host": address to bind, "nonce": hex}``. The record of
+    ``spec["agent"]``: ``{"host": address to bind, "nonce": hex, "end_with_owner":
+    bool}`` (see :class:`._rank_agent.RankAgent`). The record of
     :func:`._rank_bootstrap.join_group` comes back with ``agent`` (``[host, port]``).
     """
     shell = _shell()
@@ -64,6 +65,7 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
         user_thread=threading.get_ident(),
         code_name=code_name,
         rank=lambda: _rank_bootstrap.rank_context()[0],
+        end_with_owner=bool(agent.get("end_with_owner")),
     )
     _install_hooks(shell)
     _rank_debugger.forget()

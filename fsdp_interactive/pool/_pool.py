@@ -33,10 +33,14 @@ group), :mod:`._dispatch` (waiting for calls) and :mod:`._diagnosis` (stacks, ti
 deaths, interrupts). Its states are :class:`~._state.PoolState`. Log records of every
 part are shown with ``log_level=`` (or ``$FSDPI_LOG_LEVEL``), see :mod:`._logs`.
 
-Multi-node (not exercised by the test-suite, which runs on one host): any ipyparallel
-engine launcher can be named with ``engines=`` (its options pass through, including
-``controller_ip``: the controller listens on loopback by default), or ``Pool.connect()``
-joins a running cluster. Exit statuses of remote engines are unknown.
+Multi-node: any ipyparallel engine launcher can be named with ``engines=`` (its options
+pass through, ``controller_ip`` included: the controller listens on loopback by default
+and must be given an address of this host), or ``Pool.connect()`` joins a running
+cluster. Remote engines run under :mod:`._engine_parent`, which reports each one's exit
+status; launchers that cannot succeed any more fail the start at once
+(:mod:`._launch_watch`); ssh hosts are checked first (:mod:`._ssh_check`); ranks whose
+kernel dies exit by themselves (:mod:`._rank_agent`). The ``multihost`` tests run all
+of it on simulated hosts.
 
 Not done: restarting a single rank (a group cannot take a rank back; the whole group is
 restarted), keeping rank state across ``restart()``.
@@ -52,11 +56,12 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from fsdp_interactive.pool import _engine_shell, _logs, _torch_recorder
+from fsdp_interactive.pool import _engine_shell, _hosts, _logs, _torch_recorder
 from fsdp_interactive.pool._agent_client import RankAgents
 from fsdp_interactive.pool._agent_wire import derive_key
 from fsdp_interactive.pool._collectives import CollectiveTrace, diagnose
@@ -75,7 +80,7 @@ from fsdp_interactive.pool._dispatch import (
 )
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
 from fsdp_interactive.pool._placement import check_request, plan
-from fsdp_interactive.pool._processes import LaunchedProcesses
+from fsdp_interactive.pool._processes import BROKEN_STOP_TIMEOUT_S, LaunchedProcesses
 from fsdp_interactive.pool._rendezvous import Group, Rendezvous, connect_client, leave_group
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool._topology import RankRecord, format_table
@@ -86,6 +91,8 @@ log = logging.getLogger(__name__)
 #: Flight-recorder entries per rank unless ``flight_recorder=`` or the environment says.
 DEFAULT_FLIGHT_RECORDER = 64
 _INTERRUPT_CHECK_S = 1.0
+#: Seconds to wait, after a rank died, for the deaths that come with it.
+_DEATHS_SETTLE_S = 0.5
 
 # Running pools are held here until stopped, so one is never garbage-collected while
 # its processes run; at interpreter exit every pool still here is stopped.
@@ -190,6 +197,7 @@ class Pool:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(engines, str) or not engines:
             raise ValueError(f"engines must be a launcher name such as 'local', got {engines!r}")
+        _hosts.check_controller_ip(cluster_kwargs.get("controller_ip"))
         self._log_level = _logs.parse_level(log_level)
         if self._log_level is None:
             self._log_level = _logs.level_from_env()
@@ -210,6 +218,7 @@ class Pool:
         self._diagnosis: Diagnosis | None = None
         self._run_dir: str | None = None
         self._unfinished = Unfinished()
+        self._cleanup: threading.Thread | None = None
         #: True after an interrupt landed inside torch.distributed; restart() clears it.
         self.needs_restart = False
 
@@ -307,6 +316,7 @@ class Pool:
         engines do not register or the group does not form within ``timeout``, and
         ``ValueError`` for devices that are not present or fewer devices than ranks.
         """
+        self._finish_cleanup()
         if self.running:
             return self
         if self._state is PoolState.BROKEN:
@@ -325,6 +335,8 @@ class Pool:
             rendezvous = self._open(placement.n)
             n = placement.n or len(self._client.ids)
             self._group = rendezvous.form_group(n, placement)
+            for record in self._group.records:
+                self._processes.alias(record.pid, self._group.parent_pids.get(record.rank))
             agents = RankAgents(
                 self._group.agents, derive_key(self._client.session.key, self._group.nonce)
             )
@@ -370,9 +382,12 @@ class Pool:
             timeout=self.timeout,
             pg_timeout=self.pg_timeout,
             engines_exited=self._processes.exited_engines,
+            launch_problem=self._processes.launch_problem if self.owns_engines else lambda: None,
+            launch_state=self._processes.launch_state if self.owns_engines else lambda: "",
             log_level=self._log_level,
             flight_recorder=self._flight_recorder_entries(),
             check_collectives=self.check_collectives,
+            owned=self.owns_engines,
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         if self.owns_engines:
@@ -394,6 +409,7 @@ class Pool:
         SIGKILL after a grace period); any recorded pid still alive afterwards is killed
         by that exact pid. A connected (not owned) cluster is only left and disconnected.
         """
+        self._finish_cleanup()
         self._teardown()
 
     def restart(self) -> Pool:
@@ -402,6 +418,7 @@ class Pool:
         Owned engines are stopped and started again (all rank state is lost);
         connected engines leave the old group and form a new one.
         """
+        self._finish_cleanup()
         self._teardown(keep_forker=True)
         return self.start()
 
@@ -447,10 +464,13 @@ class Pool:
         idle = [rank for rank in ranks if rank not in busy]
         return InterruptReport(ranks, stopped, blocked, running, idle)
 
-    def _teardown(self, keep_forker: bool = False) -> None:
+    def _teardown(
+        self, keep_forker: bool = False, final_state: PoolState = PoolState.STOPPED
+    ) -> None:
         """Stop what this pool started (owned) or leave the group (connected).
 
-        ``keep_forker``: leave the engine forker running, for a restart to fork from.
+        ``keep_forker``: leave the engine forker running, for a restart to fork from;
+        ``final_state``: the state afterwards.
         """
         if self._state is not PoolState.STOPPED:
             log.debug("tearing down (state %s)", self._state)
@@ -463,13 +483,17 @@ class Pool:
                 client.close()
         if self._diagnosis is not None:
             self._diagnosis.close()
-        self._processes.stop(keep_forker=keep_forker)
+        self._processes.stop(
+            keep_forker=keep_forker,
+            engines_timeout=BROKEN_STOP_TIMEOUT_S if final_state is PoolState.BROKEN else None,
+        )
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
         self._client = self._group = self._diagnosis = self._run_dir = None
         self._unfinished.clear()
-        self._state = PoolState.STOPPED
-        _live_pools.discard(self)
+        self._state = final_state
+        if final_state is PoolState.STOPPED:
+            _live_pools.discard(self)
 
     # ------------------------------------------------------------------ work
 
@@ -679,16 +703,44 @@ class Pool:
 
     def _dead_ranks(self) -> list[int]:
         records = self._group.records if self._group else []
-        return dead_ranks(self._client, records, self._processes.engine)
+        dead = set(dead_ranks(self._client, records, self._processes.engine))
+        if self._diagnosis is not None:
+            # A rank's link to its agent closes the moment its process ends, on any host;
+            # the controller hears of a host that vanished only at its heartbeat timeout.
+            lost = self._diagnosis.agents.lost()
+            if lost:
+                log.debug("ranks %s: their diagnostics links closed", lost)
+            dead.update(lost)
+        return sorted(dead)
 
     def _fail_dead(self, dead: list[int]) -> NoReturn:
-        """Report how ranks died, end the survivors, tear the group down, raise RankDied."""
+        """Report how ranks died and raise RankDied; the survivors are ended and the group
+        torn down meanwhile, on a thread (with remote engines that takes ssh round trips
+        per engine), which every later start, stop or restart waits for first."""
         assert self._diagnosis is not None
+        # Ranks that die together (a host that vanished) are seen one poll apart.
+        time.sleep(_DEATHS_SETTLE_S)
+        dead = sorted(set(dead) | set(self._dead_ranks()))
         error = self._diagnosis.death_error(dead, self._processes.engine)
-        self._processes.kill_engines()
-        self._teardown()
         self._state = PoolState.BROKEN
+
+        def clean_up() -> None:
+            began = time.monotonic()
+            try:
+                self._processes.kill_engines()
+                self._teardown(final_state=PoolState.BROKEN)
+            finally:
+                log.debug("the broken group was torn down in %.2fs", time.monotonic() - began)
+
+        self._cleanup = threading.Thread(target=clean_up, name="fsdp-interactive-teardown")
+        self._cleanup.start()
         raise error
+
+    def _finish_cleanup(self) -> None:
+        """Wait for the teardown of a group that lost a rank, if one is under way."""
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None and cleanup is not threading.current_thread():
+            cleanup.join()
 
     def _signal(self, ranks: list[int], sig: int) -> None:
         if ranks and self._group is not None:

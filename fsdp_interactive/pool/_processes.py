@@ -9,9 +9,13 @@ Start-up: local engines are forked from one process that imports torch while the
 controller starts (:mod:`._forked_launcher`, :mod:`._engine_forker`); they wait for the
 controller's connection file themselves (:mod:`._engine_entry`), so controller, torch
 import and engine start-up overlap instead of following each other. A restart keeps the
-forker and forks fresh engines from it. An ``engines=`` launcher other than ``"local"``,
-or an ipyparallel ``config`` that sets the engine command, gets ipyparallel's own
-launchers unchanged.
+forker and forks fresh engines from it. An ``engines=`` launcher other than ``"local"``
+gets ipyparallel's own launcher, its engine command run under :mod:`._engine_parent`
+(which reports each engine's exit status, on whatever host it runs); ssh hosts are
+checked before anything starts (:mod:`._ssh_check`); a ``config`` that sets the local
+engine command gets ipyparallel's local launcher unchanged. Remote engines' pids are
+never taken for local processes: they are not recorded, and the launcher (or the
+parent's report) tells whether they run.
 
 Each engine is asked about through its launcher (:class:`EngineProcess`): whether it
 runs, its exit status, the last lines of its output, and signals go through it too.
@@ -35,6 +39,7 @@ from typing import Any
 
 import psutil
 
+from fsdp_interactive.pool import _engine_parent, _launch_watch, _ssh_check
 from fsdp_interactive.pool._engine_entry import engine_command
 from fsdp_interactive.pool._loop import LoopThread
 from fsdp_interactive.pool._pids import end_processes, is_running, start_time
@@ -49,6 +54,8 @@ _STOP_REPORT_WAIT_S = 3.0
 _LOG_TAIL_LINES = 20
 _STOP_TIMEOUT_S = 60.0
 _REAP_GRACE_S = 10.0
+#: Seconds the launchers get to stop the engines of a group that lost a rank.
+BROKEN_STOP_TIMEOUT_S = 15.0
 
 # Results are never fetched again from the controller: it need not keep them. The
 # controller completes an engine's registration at its next heartbeat, so start-up waits
@@ -67,11 +74,17 @@ class EngineProcess:
     """One engine process, asked about through the ipyparallel launcher that started it.
 
     ``created``: its start time as recorded when the pool saw it (``None`` when it had
-    already ended by then).
+    already ended by then, or runs on another host).
     """
 
     launcher: Any
     created: float | None
+    #: The pid the rank reported, when the launcher started the engine's parent
+    #: (:mod:`._engine_parent`) rather than the engine itself.
+    rank_pid: int | None = None
+    #: The launcher started every engine at once (``mpiexec``, a batch job): it knows
+    #: about the whole set only, and its output holds every engine's.
+    shared: bool = False
 
     @property
     def pid(self) -> int:
@@ -83,6 +96,8 @@ class EngineProcess:
         still runs (a reused pid is another process)."""
         if self.launcher.state == "after":
             return False
+        if is_remote(self.launcher) or self.shared:
+            return True  # its pid names a process on another host: the launcher knows
         return is_running(self.pid, self.created)
 
     def wait_stop_report(self, timeout: float = _STOP_REPORT_WAIT_S) -> bool:
@@ -96,10 +111,35 @@ class EngineProcess:
         return self.launcher.state == "after"
 
     def exit_code(self) -> int | None:
-        """The exit status (negative: killed by that signal); ``None`` if unknown."""
+        """The exit status (negative: killed by that signal); ``None`` if unknown.
+
+        A remote engine's status is the one its parent reported in its output
+        (:mod:`._engine_parent`): the ssh launcher's own status is -1 for any end.
+        """
+        if self.shared:
+            return self._reported_exit()
         self.wait_stop_report()
+        if is_remote(self.launcher):
+            return _engine_parent.parse_exit(self.output_tail(), pid=self.rank_pid)
         code = (self.launcher.stop_data or {}).get("exit_code")
         return int(code) if isinstance(code, int) else None
+
+    def _reported_exit(self, timeout: float = _STOP_REPORT_WAIT_S) -> int | None:
+        """The status this engine's parent wrote into the set's output, waiting up to
+        ``timeout`` seconds for it to appear (``None``: it never did)."""
+        end = time.monotonic() + timeout
+        while True:
+            code = _engine_parent.parse_exit(self._text(), pid=self.rank_pid)
+            if code is not None or time.monotonic() > end:
+                return code
+            time.sleep(_POLL_S * 4)
+
+    def _text(self) -> str:
+        path = getattr(self.launcher, "output_file", "")
+        if path and not is_remote(self.launcher):
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                return f.read()
+        return ""
 
     def output_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of the engine's output (its log file, or what its launcher kept).
@@ -110,6 +150,8 @@ class EngineProcess:
         """
         text = ""
         path = getattr(self.launcher, "output_file", "")
+        if is_remote(self.launcher):
+            path = ""  # a local name of the remote file: ask the launcher (it copies it here)
         if path:
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
                 text = f.read()
@@ -124,7 +166,10 @@ class EngineProcess:
         return "".join(all_lines[-lines:])
 
     def signal(self, sig: int) -> None:
-        """Signal the engine through its launcher; a process that ended is ignored."""
+        """Signal the engine through its launcher; a process that ended is ignored.
+        Engines of a shared launcher cannot be signalled one by one: nothing is done."""
+        if self.shared:
+            return
         with contextlib.suppress(Exception):
             self.launcher.signal(sig)
 
@@ -143,6 +188,7 @@ class LaunchedProcesses:
         self.cluster: Any = None
         self._loop: LoopThread | None = None
         self._launchers: dict[int, Any] = {}
+        self._aliases: dict[int, int] = {}  # a rank's pid -> its parent's (the launcher's)
         self._forker: Any = None  # an EngineForker once local engines were forked
         self._reaper: Any = None
         self._pid_file: str | None = None
@@ -193,6 +239,16 @@ class LaunchedProcesses:
             kwargs["send_engines_connection_env"] = False
             launcher = ForkedEngineSetLauncher
 
+        if not forked and engines != "local" and isinstance(engines, str):
+            launcher = _with_engine_parent(engines)
+        if isinstance(engines, str) and engines.lower() == "ssh":
+            began = time.monotonic()
+            try:
+                _ssh_check.check_hosts(kwargs.get("config"))
+            except RuntimeError as exc:
+                raise PoolStartError(str(exc)) from None
+            log.debug("ssh hosts checked in %.2fs", time.monotonic() - began)
+
         async def start() -> None:
             began = time.monotonic()
             self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
@@ -225,10 +281,14 @@ class LaunchedProcesses:
         for engine_set in cluster.engines.values():
             if getattr(engine_set, "forker_pid", None):
                 found.append(engine_set.forker_pid)
+            if not is_remote(engine_set) and getattr(engine_set, "pid", -1) > 0:
+                found.append(engine_set.pid)  # mpiexec: one local process for all engines
             for launcher in getattr(engine_set, "launchers", {}).values():
                 if getattr(launcher, "pid", -1) > 0:
                     self._launchers[launcher.pid] = launcher
-                    found.append(launcher.pid)
+                    # A remote engine's pid is not a process here: never record it.
+                    if not is_remote(launcher):
+                        found.append(launcher.pid)
         for pid in list(found):
             with contextlib.suppress(psutil.Error):
                 found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
@@ -278,15 +338,62 @@ class LaunchedProcesses:
     # ------------------------------------------------------------------ asking
 
     def engine(self, pid: int) -> EngineProcess | None:
-        """The engine this pool started with ``pid`` (``None``: not one of its engines)."""
+        """The engine this pool started with ``pid`` (``None``: not one of its engines).
+
+        ``pid`` may be the one a rank reported, whose launcher started its parent
+        (see :meth:`alias`).
+        """
         launcher = self._launchers.get(pid)
-        return EngineProcess(launcher, self.pids.get(pid)) if launcher is not None else None
+        if launcher is not None:
+            return EngineProcess(launcher, self.pids.get(pid))
+        parent = self._aliases.get(pid)
+        launcher = self._launchers.get(parent) if parent is not None else None
+        if launcher is not None:
+            return EngineProcess(launcher, self.pids.get(parent), rank_pid=pid)
+        shared = self._shared_launcher()
+        if shared is not None and pid in self._aliases:
+            return EngineProcess(shared, None, rank_pid=pid, shared=True)
+        return None
+
+    def _shared_launcher(self) -> Any:
+        """The cluster's one engine set launcher that started every engine at once
+        (``mpiexec``, a batch job), if that is how its engines were started."""
+        if self.cluster is None:
+            return None
+        sets = list(self.cluster.engines.values())
+        if len(sets) == 1 and getattr(sets[0], "launchers", None) is None:
+            return sets[0]
+        return None
+
+    def alias(self, rank_pid: int, parent_pid: int | None) -> None:
+        """Rank ``rank_pid`` is the engine whose parent the launcher started as
+        ``parent_pid`` (remote engines run under :mod:`._engine_parent`)."""
+        if parent_pid and rank_pid not in self._launchers:
+            self._aliases[rank_pid] = parent_pid
 
     def engines(self) -> list[EngineProcess]:
         """Every engine of the current cluster."""
         return [
             EngineProcess(launcher, self.pids.get(pid)) for pid, launcher in self._launchers.items()
         ]
+
+    def launch_problem(self) -> str | None:
+        """Why the engines can no longer register (a launcher exited, a batch job ended or
+        can never run), with the launcher's output; ``None`` while they still may."""
+        if self.cluster is None:
+            return None
+        for engine_set in list(self.cluster.engines.values()):
+            problem = _launch_watch.launch_problem(engine_set)
+            if problem:
+                return problem
+        return None
+
+    def launch_state(self) -> str:
+        """Where the engine launchers stand, for a start-up that timed out ("": nothing)."""
+        if self.cluster is None:
+            return ""
+        states = [_launch_watch.launch_state(s) for s in list(self.cluster.engines.values())]
+        return "\n".join(state for state in states if state)
 
     def exited_engines(self) -> list[EngineProcess]:
         """Engines of the current cluster that no longer run."""
@@ -304,21 +411,23 @@ class LaunchedProcesses:
 
     # ------------------------------------------------------------------ ending
 
-    def stop(self, *, keep_forker: bool = False) -> None:
+    def stop(self, *, keep_forker: bool = False, engines_timeout: float | None = None) -> None:
         """End the current cluster and every recorded process; idempotent.
 
         Engines and controller are stopped through ipyparallel's launcher handles
         (SIGTERM, then SIGKILL after a grace period), the engine forker and the orphan
         reaper through theirs; any recorded process still alive afterwards is ended by
         its exact pid and start time. ``keep_forker``: leave the engine forker running,
-        for a restart to fork from.
+        for a restart to fork from; ``engines_timeout``: seconds the launchers get to stop
+        the engines (a launcher that lost a host, e.g. ``mpiexec``, may wait on it for
+        good; what it started locally is then ended by pid).
         """
         cluster, loop = self.cluster, self._loop
         if cluster is not None and loop is not None:
             began = time.monotonic()
             # Engines first: their nannies can then tell a live controller and exit at once.
             with contextlib.suppress(Exception):
-                loop.run(cluster.stop_engines, timeout=_STOP_TIMEOUT_S)
+                loop.run(cluster.stop_engines, timeout=engines_timeout or _STOP_TIMEOUT_S)
             log.debug("engines stopped in %.2fs", time.monotonic() - began)
             began = time.monotonic()
             with contextlib.suppress(Exception):
@@ -340,6 +449,7 @@ class LaunchedProcesses:
             loop.close()
         self.cluster = self._loop = None
         self._launchers = {}
+        self._aliases = {}
         self._pid_file = None
 
     def _stop_forker(self) -> None:
@@ -362,6 +472,29 @@ class LaunchedProcesses:
             reaper.kill()
             reaper.wait(timeout=10)
         log.debug("orphan reaper (pid %d) stopped", reaper.pid)
+
+
+def _with_engine_parent(engines: str) -> Any:
+    """ipyparallel's engine set launcher named ``engines``, its engines run under
+    :mod:`._engine_parent` (which reports how each ended), under the same class name
+    (so the configuration of that name and of its bases applies unchanged)."""
+    from ipyparallel.cluster.launcher import find_launcher_class
+
+    try:
+        base = find_launcher_class(engines, "engine")
+    except (KeyError, ValueError, ImportError):
+        return engines  # a launcher named by its import path: ipyparallel resolves it
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self.engine_cmd = _engine_parent.wrap(list(self.engine_cmd))
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def is_remote(launcher: Any) -> bool:
+    """Whether ``launcher`` runs its process on another host (its ``pid`` is not ours)."""
+    return any(cls.__name__ == "SSHLauncher" for cls in type(launcher).__mro__)
 
 
 def _configures_engine_command(config: Any) -> bool:

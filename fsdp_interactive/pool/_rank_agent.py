@@ -28,7 +28,12 @@ slow answer (py-spy) does not hold up another:
 * ``debug`` (``command``) -> one post-mortem pdb command (:mod:`._rank_debugger`);
 * ``fault_link``: this connection becomes the target of faulthandler's dump on
   :data:`STACK_SIGNAL` (the fallback for a rank whose agent cannot answer because a
-  thread holds the GIL: the C signal handler writes without it);
+  thread holds the GIL: the C signal handler writes without it). With
+  ``end_with_owner`` the link also tells that the kernel is gone: the kernel sends
+  :data:`._agent_wire.GOODBYE` on it before it closes it; a link that closes or breaks (TCP
+  keepalive) without it means the kernel died, and the rank process exits (status
+  :data:`OWNER_GONE_EXIT`) — even while its main thread is blocked in a collective,
+  where no controller heartbeat would end it;
 * ``event_link``: this connection becomes the rank's line to the kernel, on which a
   live breakpoint asks for debugger commands.
 
@@ -56,13 +61,16 @@ log = logging.getLogger(__name__)
 
 #: Signal that makes a rank write every thread's Python stack to its fault link.
 STACK_SIGNAL = signal.SIGUSR1
+#: Exit status of a rank whose kernel is gone.
+OWNER_GONE_EXIT = 75
 
 
 class RankAgent:
     """One rank's agent: a listening socket and the thread that accepts on it.
 
     ``user_thread``: ident of the thread that runs user code; ``code_name(filename)``
-    labels notebook cell code; ``rank()`` tells the rank once the group formed.
+    labels notebook cell code; ``rank()`` tells the rank once the group formed;
+    ``end_with_owner``: exit when the kernel's fault link ends without :data:`._agent_wire.GOODBYE`.
     """
 
     def __init__(
@@ -73,8 +81,10 @@ class RankAgent:
         user_thread: int,
         code_name: CodeName | None = None,
         rank: Callable[[], int] = lambda: -1,
+        end_with_owner: bool = False,
     ) -> None:
         self.authkey = authkey
+        self.end_with_owner = end_with_owner
         self.user_thread = user_thread
         self.code_name = code_name
         self.rank = rank
@@ -159,8 +169,35 @@ class RankAgent:
         if kind == "fault_link":
             # The C handler writes the dump straight into this socket, without the GIL.
             faulthandler.register(STACK_SIGNAL, file=conn, all_threads=True, chain=False)
+            if self.end_with_owner:
+                threading.Thread(
+                    target=self._watch_owner,
+                    args=(conn,),
+                    name="fsdp-interactive-owner-watch",
+                    daemon=True,
+                ).start()
         if old is not None:
-            old.close()
+            _shut(old)
+
+    def _watch_owner(self, conn: Connection) -> None:
+        """Exit the process when ``conn`` (the fault link) ends without a goodbye."""
+        _agent_wire.keep_alive(conn.fileno())
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = None
+        if (
+            message == _agent_wire.GOODBYE
+            or self._closed
+            or self._links.get("fault_link") is not conn
+        ):
+            return
+        os.write(
+            2,
+            b"fsdp-interactive: the kernel that owns this pool is gone (its link to this "
+            b"rank closed without a goodbye); the rank exits\n",
+        )
+        os._exit(OWNER_GONE_EXIT)
 
     # ------------------------------------------------------------------ rank-side use
 
@@ -171,10 +208,23 @@ class RankAgent:
     def close(self) -> None:
         self._closed = True
         _park_fault_handler()
-        for conn in self._links.values():
-            conn.close()
-        self._links = {}
+        links, self._links = self._links, {}
+        for conn in links.values():
+            _shut(conn)
         self._sock.close()
+
+
+def _shut(conn: Connection) -> None:
+    """Close ``conn``, waking a thread that waits to read from it (``close`` alone
+    would leave it waiting on a descriptor number that may be reused)."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+    conn.close()
 
 
 _AGENT: RankAgent | None = None
@@ -197,11 +247,12 @@ def start(
     user_thread: int | None = None,
     code_name: CodeName | None = None,
     rank: Callable[[], int] = lambda: -1,
+    end_with_owner: bool = False,
 ) -> tuple[str, int]:
     """Start this process's agent on ``host`` (a fresh port); its ``(host, port)``.
 
     A running agent is replaced (a restarted pool brings a new key). ``user_thread``
-    defaults to the calling thread.
+    defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
     """
     global _AGENT
     stop()
@@ -212,6 +263,7 @@ def start(
         user_thread=threading.get_ident() if user_thread is None else user_thread,
         code_name=code_name,
         rank=rank,
+        end_with_owner=end_with_owner,
     )
     log.debug("diagnostics agent listening on %s:%d", *_AGENT.address)
     return _AGENT.address

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from fsdp_interactive.pool import _logs, _torch_recorder
+from fsdp_interactive.pool import _hosts, _logs, _torch_recorder
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def enable_logging(level: int) -> None:
 
 
 def describe_engine() -> dict[str, Any]:
-    """Where this engine runs: ``host``, ``address`` (best-effort IPv4), ``pid``, versions."""
+    """Where this engine runs: ``host``, ``address`` (best-effort IPv4), ``pid``, the
+    ``python`` executable, ``torch``'s version and ``versions`` (:func:`._hosts.versions`)."""
     host = socket.gethostname()
     try:
         address = socket.gethostbyname(host)
@@ -87,16 +88,19 @@ def describe_engine() -> dict[str, Any]:
         "host": host,
         "address": address,
         "pid": os.getpid(),
+        "parent_pid": os.getppid(),
         "python": sys.executable,
         "torch": torch_version,
+        "versions": _hosts.versions(),
     }
 
 
 def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
     """Start the rendezvous ``TCPStore`` server on this engine; return its port.
 
-    ``bind_address`` is the address the server listens on (``"127.0.0.1"`` for a
-    single-host pool, ``""`` for all interfaces when ranks live on other hosts).
+    ``bind_address`` is the only address the server listens on (``"127.0.0.1"`` for a
+    single-host pool, rank 0's cluster address when ranks live on other hosts; ``""``
+    would be every interface).
     """
     from torch.distributed import TCPStore
 

@@ -16,7 +16,7 @@ cluster the pool connected to), each a call on the engines into
 
 A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners on
 loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
-listens on all interfaces and each agent on its rank's address. The agents' key is
+listens on that address only and each agent on its rank's address. The agents' key is
 derived from the cluster's HMAC key and a nonce that :attr:`Group.nonce` holds (the key
 itself never travels).
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive.pool import _engine_shell
+from fsdp_interactive.pool import _engine_shell, _hosts
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._diagnosis import traceback_text
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
@@ -75,6 +75,8 @@ class Group:
     agents: dict[int, tuple[str, int]] = field(default_factory=dict)
     recorder_notes: dict[int, str | None] = field(default_factory=dict)
     nonce: bytes = b""
+    #: Each rank's parent process (on its host), as the rank reported it.
+    parent_pids: dict[int, int] = field(default_factory=dict)
 
 
 class Rendezvous:
@@ -82,10 +84,13 @@ class Rendezvous:
 
     ``timeout`` bounds each step; ``engines_exited()`` lists engine processes of the pool
     that ended (each with ``pid`` and ``output_tail()``; empty for engines the pool does
-    not own); ``log_level``: the ranks' log level (``None``: leave their logging alone);
+    not own); ``launch_problem()`` says why no more engines can register (``None``: they
+    still may) and ``launch_state()`` where the launchers stand, for the timeout's error; ``log_level``: the ranks' log level (``None``: leave their logging alone);
     ``flight_recorder``: ring-buffer entries of torch's flight recorder on each rank
     (0: off; ``None``: the environment's ``TORCH_FR_BUFFER_SIZE``, else torch's default);
-    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks.
+    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks; ``owned``:
+    the pool started these engines, so a rank exits when this kernel is gone (see
+    :mod:`._rank_agent`).
     """
 
     def __init__(
@@ -95,14 +100,20 @@ class Rendezvous:
         timeout: float,
         pg_timeout: float,
         engines_exited: Callable[[], list[Any]],
+        launch_problem: Callable[[], str | None] = lambda: None,
+        launch_state: Callable[[], str] = lambda: "",
         log_level: int | None = None,
         flight_recorder: int | None = None,
         check_collectives: bool = False,
+        owned: bool = False,
     ) -> None:
         self._client = client
+        self._owned = owned
         self._timeout = timeout
         self._pg_timeout = pg_timeout
         self._exited = engines_exited
+        self._launch_problem = launch_problem
+        self._launch_state = launch_state
         self._log_level = log_level
         self._flight_recorder = flight_recorder
         self._check_collectives = check_collectives
@@ -117,10 +128,17 @@ class Rendezvous:
                     f"engine process {exited[0].pid} exited before registering; last lines "
                     "of its log:\n" + exited[0].output_tail()
                 )
+            problem = self._launch_problem()
+            if problem:
+                raise PoolStartError(
+                    f"{len(self._client.ids)} of {n} engines registered, and no more can: {problem}"
+                )
             if time.monotonic() > deadline:
+                state = self._launch_state()
                 raise PoolStartError(
                     f"only {len(self._client.ids)} of {n} engines registered within "
                     f"timeout={self._timeout:g}s; everything started was stopped"
+                    + (f"\n{state}" if state else "")
                 )
             time.sleep(_REGISTRATION_POLL_S)
         log.debug("%d engines registered in %.2fs", n, time.monotonic() - began)
@@ -141,12 +159,18 @@ class Rendezvous:
             {eid: client[eid].apply_async(rank_side.describe_engine) for eid in engine_ids},
             "describing engines",
         )
+        refuse_other_versions(described)
         slots = assign_ranks(described)
         group = Group(views={slot.rank: client[slot.engine_id] for slot in slots})
+        group.parent_pids = {
+            slot.rank: int(described[slot.engine_id].get("parent_pid") or 0) for slot in slots
+        }
 
         single_host = len({slot.host for slot in slots}) == 1
         master_addr = "127.0.0.1" if single_host else slots[0].address
-        bind = "127.0.0.1" if single_host else ""
+        # torch's TCPStore server listens on every interface whatever host it is given;
+        # the socket rank 0 binds itself (passed as master_listen_fd) decides.
+        bind = master_addr
         store_timeout = min(self._pg_timeout, self._timeout)
         port = self.gather(
             {0: group.views[0].apply_async(rank_side.open_store, bind, n, store_timeout)},
@@ -172,7 +196,11 @@ class Rendezvous:
                 "flight_recorder": self._flight_recorder,
                 "check_collectives": self._check_collectives,
                 "title": f"fsdp-interactive rank {slot.rank}/{n}, pool {nonce.hex()[:8]}",
-                "agent": {"host": bind or slot.address, "nonce": nonce.hex()},
+                "agent": {
+                    "host": "127.0.0.1" if single_host else slot.address,
+                    "nonce": nonce.hex(),
+                    "end_with_owner": self._owned,
+                },
             }
             for slot in slots
         }
@@ -261,12 +289,38 @@ class Rendezvous:
         return results
 
 
+def refuse_other_versions(described: Mapping[int, Mapping[str, Any]]) -> None:
+    """``PoolStartError`` naming both versions when an engine runs another torch,
+    fsdp_interactive or Python minor version than this kernel (see :mod:`._hosts`)."""
+    here = _hosts.versions()
+    problems = []
+    for engine_id, info in sorted(described.items()):
+        there = info.get("versions")
+        if not isinstance(there, Mapping):
+            continue
+        mismatches = _hosts.version_mismatches(here, there)
+        if mismatches:
+            where = f"engine {engine_id} on {info.get('host')} ({info.get('python')})"
+            problems.append(_hosts.describe_mismatches(where, mismatches))
+    if problems:
+        raise PoolStartError(
+            "ranks must run the versions this kernel runs:\n  "
+            + "\n  ".join(problems)
+            + "\ninstall the same versions there (or point the launcher at a Python that has "
+            "them, e.g. SSHEngineSetLauncher.remote_python)"
+        )
+
+
 def connect_client(connect_kwargs: Mapping[str, Any]) -> Any:
     """An ``ipyparallel.Client`` of a running cluster (found as ``Client`` finds it)."""
     import ipyparallel as ipp
 
+    kwargs = dict(connect_kwargs)
+    # ipyparallel 9 accepts ``url_file=`` but ignores it: the file goes positionally.
+    url_file = kwargs.pop("url_file", None)
+    args = [url_file] if url_file is not None else []
     try:
-        return ipp.Client(**connect_kwargs)
+        return ipp.Client(*args, **kwargs)
     except Exception as exc:
         raise PoolStartError(f"could not connect to the cluster: {exc}") from exc
 

@@ -231,7 +231,9 @@ class RankDied(Advised, RuntimeError):
 
     ``ranks`` lists the dead ranks; ``exit_codes`` maps each to its exit status
     (negative: killed by that signal; ``None``: unknown, e.g. a remote engine);
-    ``log_tails`` maps each to the last lines of its engine's log.
+    ``log_tails`` maps each to the last lines of its engine's log; ``lost_hosts`` lists
+    hosts all of whose ranks vanished at once with no exit status (the host or the
+    network to it is gone).
     """
 
     def __init__(
@@ -241,11 +243,17 @@ class RankDied(Advised, RuntimeError):
         log_tails: dict[int, str],
         hosts: dict[int, str] | None = None,
         pids: dict[int, int] | None = None,
+        lost_hosts: list[str] | None = None,
     ):
         self.ranks = sorted(ranks)
         self.exit_codes = exit_codes
         self.log_tails = log_tails
-        lines = []
+        self.lost_hosts = list(lost_hosts or [])
+        lines = [
+            f"host {host} lost: every rank on it vanished without an exit status "
+            "(the host, or the network to it, is gone)"
+            for host in self.lost_hosts
+        ]
         for rank in self.ranks:
             where = ""
             if pids and rank in pids:

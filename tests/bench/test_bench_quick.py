@@ -24,11 +24,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FIGURES = (
     "dispatch",
     "cold_start",
+    "death",
+    "probes",
     "train_step",
     "memory",
     "grad_norm",
     "checkpoint",
     "debug_cost",
+    "state_scaling",
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +94,8 @@ def test_comparisons_have_a_ratio_or_say_why_not(quick_report: Path) -> None:
                     # a ratio shown without a target says why it has none
                     assert c["met"] is None and c["note"], label
                 else:
-                    assert c["met"] in (True, False), label
+                    assert c["verdict"] in ("met", "missed", "unresolved"), label
+                    assert c["met"] == {"met": True, "missed": False}.get(c["verdict"]), label
 
 
 def test_markdown_has_a_row_per_comparison(quick_report: Path) -> None:

@@ -53,3 +53,49 @@ def test_probes_work_on_the_wrapper(ranks2):
         "block.2.weight",
         "block.2.bias",
     }
+
+
+def _summoned_units():
+    """Which units summon_stats/edit_param gather, for a nested unit's parameter and a root's."""
+    from fsdp_interactive.inspect import _summon
+
+    model, reference = wrapped_and_reference()
+    summoned: list[str] = []
+    names = {id(m): name for name, m in model.named_modules()}
+    real = _summon.summon_full_params
+
+    def spy(module, *args, **kwargs):
+        summoned.append(names[id(module)])
+        return real(module, *args, **kwargs)
+
+    _summon.summon_full_params = spy
+    try:
+        nested = summon_stats(model, "block.0.weight")
+        nested_units = list(summoned)
+        summoned.clear()
+        edit_param(model, "embed.bias", "x + 1")
+        root_units = list(summoned)
+    finally:
+        _summon.summon_full_params = real
+    truth = reference.block[0].weight.detach().double()
+    with type(model).summon_full_params(model, writeback=False):
+        bias = model.embed.bias.detach().clone()
+        block_weight = model.block[0].weight.detach().clone()
+    return (
+        nested_units,
+        root_units,
+        (nested.mean, nested.norm),
+        (float(truth.mean()), float(truth.norm())),
+        torch.equal(bias, reference.embed.bias.detach() + 1),
+        torch.equal(block_weight, reference.block[0].weight.detach()),
+    )
+
+
+def test_a_probe_of_one_parameter_gathers_only_the_unit_that_owns_it(ranks2):
+    for nested, root, stats, truth, edited, untouched in ranks2.run(_summoned_units):
+        # The block is a nested unit: its parameter needs its unit alone, not the root's.
+        assert nested == ["_fsdp_wrapped_module.block"], nested
+        # edit_param gathers the root unit twice (the edit, then the new stats), nothing else.
+        assert root == ["", ""], root
+        assert stats == pytest.approx(truth, rel=1e-9)
+        assert edited and untouched

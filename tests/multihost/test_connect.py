@@ -90,11 +90,6 @@ def test_connect_forms_a_group_across_hosts_and_leaves_the_engines(testhosts, ha
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pool.connect(connection_file) passes it as url_file=, which ipyparallel 9's Client "
-    "ignores (it then looks in the default profile); the file must be passed positionally",
-)
 def test_connect_by_client_connection_file(hand_started_cluster):
     profile, _ = hand_started_cluster
     client_file = profile / "security" / "ipcontroller-client.json"

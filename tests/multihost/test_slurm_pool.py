@@ -12,8 +12,36 @@ pytestmark = pytest.mark.multihost
 
 
 def engine_job(pool: Pool) -> str:
-    (engine_set,) = pool._cluster.engines.values()
+    (engine_set,) = pool._processes.cluster.engines.values()
     return engine_set.job_id
+
+
+HYBRID = """
+import socket
+from fsdp_interactive._torch_compat import HYBRID_SHARD_ZERO2
+from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+hosts = [None] * world_size
+dist.all_gather_object(hosts, socket.gethostname())
+for strategy in (ShardingStrategy.HYBRID_SHARD, HYBRID_SHARD_ZERO2):
+    model = FSDP(torch.nn.Linear(8, 8), sharding_strategy=strategy)
+    model(torch.ones(2, 8)).sum().backward()
+    mesh = model.weight.device_mesh
+    shard = dist.get_process_group_ranks(mesh.get_group(1))
+    replicas = dist.get_process_group_ranks(mesh.get_group(0))
+    print(strategy.name, tuple(mesh.shape), sorted({hosts[r] for r in shard}),
+          sorted({hosts[r] for r in replicas}))
+"""
+
+
+def check_hybrid_meshes_follow_the_hosts(pool: Pool) -> None:
+    """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 without a mesh: shard within a host,
+    replicate across hosts, and a training step runs on that mesh."""
+    out = pool.run(HYBRID, stream=False).stdout
+    for record in pool.topology:
+        lines = [line.split(" ", 1) for line in out[record.rank].splitlines()]
+        assert [name for name, _ in lines] == ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], out
+        for _, layout in lines:
+            assert layout == f"(2, 2) ['{record.host}'] ['hosta', 'hostb']", (record, layout)
 
 
 def test_slurm_pool_spans_both_nodes_and_its_job_leaves_the_queue(
@@ -53,6 +81,7 @@ def test_slurm_pool_spans_both_nodes_and_its_job_leaves_the_queue(
             "t = torch.tensor([float(rank + 1)]); dist.all_reduce(t); t.item()", stream=False
         ).results
         assert results == {r: "10.0" for r in range(4)}
+        check_hybrid_meshes_follow_the_hosts(pool)
 
         pool.restart()  # a new job; the old one leaves the queue
         new_job = engine_job(pool)

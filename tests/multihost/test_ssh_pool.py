@@ -7,6 +7,8 @@ per host are covered by the SLURM and MPI pools.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -68,11 +70,43 @@ def test_all_reduce_crosses_hosts(ssh_pool):
     assert results == {0: "3.0", 1: "3.0"}
 
 
-def test_stacks_of_ranks_on_other_hosts_name_host_and_file(ssh_pool):
-    stacks, where = ssh_pool.stacks()
-    for record in ssh_pool.topology:
-        assert stacks[record.rank].startswith(f"(stack written on {record.host}:")
-        assert where[record.rank] == "unknown: no stack dump received"
+def test_errors_and_interrupts_of_remote_ranks(ssh_pool):
+    from fsdp_interactive.pool import RankError, RankInterrupted
+
+    with pytest.raises(RankError) as caught:
+        ssh_pool.run("x = 1 / 0 if rank == 1 else 0", stream=False)
+    assert caught.value.ranks == [1] and "ZeroDivisionError" in str(caught.value)
+
+    timer = threading.Timer(3, ssh_pool.interrupt)
+    timer.start()
+    try:
+        with pytest.raises(RankInterrupted) as interrupted:
+            ssh_pool.run("import time\nfor _ in range(600):\n    time.sleep(0.1)", stream=False)
+    finally:
+        timer.cancel()
+    assert interrupted.value.ranks == [0, 1] and not interrupted.value.needs_restart
+    assert ssh_pool.run("rank", stream=False).results == {0: "0", 1: "1"}
+
+
+def test_a_hang_shows_every_remote_ranks_stack_over_the_network(ssh_pool):
+    from fsdp_interactive.pool import RankTimeout
+
+    code = (
+        "import time\n"
+        "def late_barrier():\n"
+        "    time.sleep(10)\n"
+        "    dist.barrier()\n"
+        "dist.barrier() if rank == 0 else late_barrier()"
+    )
+    with pytest.raises(RankTimeout) as caught:
+        ssh_pool.run(code, timeout=3, stream=False)
+    error = caught.value
+    # rank 0 (hosta) waits in the barrier; rank 1 (hostb) still sleeps before it
+    assert "barrier" in error.where[0], error.where
+    assert "dist.barrier() if rank == 0" in error.stacks[0], error.stacks[0]
+    assert "late_barrier" in error.stacks[1] and "time.sleep(10)" in error.stacks[1]
+    assert "(stack written on" not in error.stacks[0] + error.stacks[1]
+    error.wait(60)  # rank 1 reaches the barrier: the group stays usable
 
 
 def listening(hosts: HostSet, host: str, pid: int) -> set[tuple[str, int]]:
@@ -95,7 +129,7 @@ def store_port(pool: Pool) -> int:
 
 
 def test_controller_and_gloo_listen_on_the_pools_addresses_only(ssh_pool, testhosts):
-    controller = psutil.Process(ssh_pool._cluster.controller.pid)
+    controller = psutil.Process(ssh_pool._processes.cluster.controller.pid)
     addresses = {
         c.laddr.ip
         for proc in [controller, *controller.children(recursive=True)]
@@ -110,16 +144,44 @@ def test_controller_and_gloo_listen_on_the_pools_addresses_only(ssh_pool, testho
         assert {address for address, _ in sockets} <= {record.address, "127.0.0.1"}, sockets
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0 binds the rendezvous store to all interfaces on multi-host pools "
-    "(open_store('')); a socket bound to rank 0's address, passed as master_listen_fd, works",
-)
 def test_rendezvous_store_listens_on_rank0s_address_only(ssh_pool, testhosts):
     rank0 = ssh_pool.topology[0]
     port = store_port(ssh_pool)
     sockets = {s for s in listening(testhosts, rank0.host, rank0.pid) if s[1] == port}
     assert sockets == {(rank0.address, port)}
+
+
+def test_a_remote_rank_killed_by_sigkill_is_reported_with_its_signal_and_log(ssh_pool, testhosts):
+    from fsdp_interactive.pool import RankDied
+
+    victim = ssh_pool.topology[1]
+    assert victim.host == "hostb"
+
+    def kill_when_busy() -> None:
+        time.sleep(2)
+        testhosts.run("hostb", ["kill", "-KILL", str(victim.pid)])
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(RankDied) as caught:
+            ssh_pool.run(
+                "import os\n"
+                "os.write(2, f'rank {rank} looping\\n'.encode())  # into the engine's log\n"
+                "while True:\n"
+                "    dist.all_reduce(torch.ones(1))",
+                stream=False,
+            )
+    finally:
+        killer.join()
+    error = caught.value
+    print(f"RankDied {time.monotonic() - began - 2:.1f}s after the kill")  # shown with -s
+    assert error.ranks == [1] or 1 in error.ranks, error
+    assert error.exit_codes[1] == -9, error.exit_codes
+    assert f"rank 1 (pid {victim.pid} on hostb) died: killed by signal SIGKILL" in str(error)
+    assert "rank 1 looping" in error.log_tails[1], error.log_tails
+    assert ssh_pool.state == "broken"
 
 
 def test_restart_brings_a_fresh_group_up_on_both_hosts(ssh_pool):
