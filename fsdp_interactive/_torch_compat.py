@@ -174,6 +174,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes the storage this rank holds for ``tensor`` has seen:
+    ``Tensor._version`` of the local tensor (a DTensor's local shard), shared by its views.
+
+    Tells a state-dict placeholder that something (a DCP load) wrote into it from one that
+    nothing did. checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return local_tensor(tensor)._version
+
+
 def local_shape_and_offset(
     global_shape: Sequence[int],
     mesh: DeviceMesh,
@@ -195,6 +205,21 @@ def local_shape_and_offset(
             global_shape, tuple(mesh.shape), list(coordinate), placements
         )
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+# ---------------------------------------------------------------------------- ShardedTensor
+
+#: ``torch.distributed._shard.sharded_tensor.ShardedTensor``: FSDP1's sharded state-dict
+#: values (and what ``load_sharded_optimizer_state_dict`` returns), accepted as load input.
+#: checked: 2.9.1, 2.13.0, 2.14.1
+ShardedTensor: type = _torch_name("torch.distributed._shard.sharded_tensor", "ShardedTensor")
+
+
+def sharded_tensor_group(value: Any) -> Any:
+    """The process group a ``ShardedTensor`` is sharded over (``ShardedTensor._process_group``;
+    ``None`` stands for the default group). checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    return value._process_group
 
 
 # ---------------------------------------------------------------------------- FSDP1 names

@@ -287,6 +287,37 @@ def test_fully_shard_state_entries(ranks2):
         assert r["shard_only"]
 
 
+def _sharded_tensor_probe() -> dict:
+    """On each rank: a ShardedTensor over the default group and the entries that read it."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    world = dist.get_world_size()
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    value = empty(spec, 4, 3)
+    group = compat.sharded_tensor_group(value)
+    return {
+        "is_sharded_tensor": isinstance(value, compat.ShardedTensor),
+        "group_is_the_world": group is None or dist.get_world_size(group) == world,
+        "local_rows": value.local_shards()[0].tensor.shape[0],
+    }
+
+
+def test_sharded_tensor_entries(ranks2):
+    for r in ranks2.run(_sharded_tensor_probe):
+        assert r == {"is_sharded_tensor": True, "group_is_the_world": True, "local_rows": 2}
+
+
+def test_version_counter_counts_in_place_writes_through_views():
+    tensor = torch.zeros(4)
+    before = compat.version_counter(tensor)
+    tensor[1:3].add_(1.0)
+    tensor.copy_(torch.ones(4))
+    assert compat.version_counter(tensor) == before + 2
+    assert compat.version_counter(tensor[:2]) == compat.version_counter(tensor)
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 
@@ -398,6 +429,8 @@ _PRIVATE_TORCH_ATTRIBUTES = {
     "_fsdp_param_group",
     "_training_state",
     "_local_tensor",
+    "_version",
+    "_process_group",
     "_parameters",
     "_buffers",
     "_modules",

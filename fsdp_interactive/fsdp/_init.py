@@ -11,6 +11,9 @@ before ``fully_shard`` shards it:
    one unit's full parameters. Once the unit is sharded, :func:`release_freed_memory`
    hands the freed full tensors' pages back to the OS (glibc keeps freed heap memory
    otherwise, so each unit's full copy would add to the process's resident size).
+   A parameter shared by several owned modules (tied embeddings) stays shared: a per-module
+   ``to_empty`` gives each module its own new tensor, so afterwards every module that shared
+   it gets the one its first holder (in ``modules`` order) ended up with.
 2. :func:`broadcast_from_rank0` - with ``sync_module_states``, the owned parameters and
    buffers are broadcast from the mesh's first rank (coalesced per dtype, sent on the mesh's
    device, so CPU-resident modules work with NCCL too).
@@ -33,7 +36,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_interactive._torch_compat import flatten_dense_tensors, unflatten_dense_tensors
+from fsdp_interactive._torch_compat import (
+    flatten_dense_tensors,
+    parameter_slots,
+    unflatten_dense_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +131,7 @@ def materialize(
             "param_init_fn" if param_init_fn is not None else "reset_parameters()",
             ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
         )
+    shared = _shared_parameter_slots(modules)
     if param_init_fn is not None:
         for module in modules:
             param_init_fn(module)
@@ -140,12 +148,33 @@ def materialize(
                         "reset_parameters(); pass param_init_fn to initialize it"
                     )
                 reset()
+    _retie(shared)
     still_meta = [type(m).__name__ for m in modules if has_meta_states([m], ignored_params)]
     if still_meta:
         raise ValueError(
             "param_init_fn left parameters or buffers on the meta device in "
             f"{sorted(set(still_meta))}; it must materialize the module it is given"
         )
+
+
+def _shared_parameter_slots(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """(module, name) slots of every parameter held by more than one of ``modules``."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in modules:
+        for name, param in parameter_slots(module).items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, name))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make each group of slots hold one parameter again: its first slot's."""
+    for (first_module, first_name), *others in shared:
+        param = parameter_slots(first_module)[first_name]
+        for module, name in others:
+            if parameter_slots(module)[name] is not param:
+                logger.debug("re-tying %s.%s to its shared parameter", type(module).__name__, name)
+                parameter_slots(module)[name] = param
 
 
 def release_freed_memory() -> bool:

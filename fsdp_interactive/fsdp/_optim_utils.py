@@ -3,9 +3,17 @@
 All results are keyed like torch FSDP1's: by parameter FQN (clean: no wrapper segments)
 for the "state dict" direction, by parameter ID (the position in the optimizer's
 ``state_dict()`` numbering) for the "to load" direction. Parameters without optimizer
-state yet are simply absent from ``"state"``.
+state yet are absent from ``"state"``, except in the SHARDED/LOCAL state of an optimizer
+that has not stepped at all, which holds placeholders a ``dcp.load`` can fill (see
+:func:`optim_state_dict`).
 
-Differences from torch FSDP1, all following from FSDP2 having no flat parameter:
+Inputs of the "to load" direction may hold full tensors, ``DTensor`` values of any layout,
+or torch's ``ShardedTensor`` (what torch FSDP1 and ``torch.distributed.checkpoint.
+optimizer.load_sharded_optimizer_state_dict`` produce): each is resharded to the
+parameter's own layout (:mod:`._sharded_tensor`). Converting ``ShardedTensor`` values
+communicates, so every rank calls these functions with the same keys, as in FSDP1.
+
+Differences from torch FSDP1, following from FSDP2 having no flat parameter:
 
 * sharded values are ``DTensor`` (torch: ``ShardedTensor``), and the "to load" dicts hold
   ``DTensor`` shards of each original parameter (torch: 1-D slices of a flat parameter);
@@ -32,7 +40,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.fsdp import _fqn_state as _state
-from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type
+from fsdp_interactive.fsdp import _optim_placeholders
+from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
+from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type, has_chosen_type
 from fsdp_interactive.fsdp.api import OptimStateKeyType, StateDictType
 
 _CLASS = "FullyShardedDataParallel"
@@ -94,6 +104,16 @@ def optim_state_dict(
     FULL_STATE_DICT: full tensors (``FullOptimStateDictConfig``: ``rank0_only`` -> ``{}``
     on nonzero ranks; ``offload_to_cpu``, default True, -> CPU). SHARDED and LOCAL:
     ``DTensor`` shards (torch FSDP1 gives ``ShardedTensor`` for both).
+
+    An optimizer that has not stepped yet has no state. Under FULL_STATE_DICT, and for a raw
+    ``fully_shard`` model whose type was never set, the result then has none either
+    (``"state": {}``, as in torch FSDP1). Under a SHARDED or LOCAL type set with
+    :func:`~._state_dict_utils.state_dict_type` (the DCP recipes' way) it holds placeholders: the tensors the optimizer's first step would create, so that
+    ``dcp.load`` into this dict fills them and :func:`optim_state_dict_to_load` restores the
+    checkpoint's state, where torch FSDP1 silently leaves the optimizer fresh. ``optim``
+    itself stays fresh. Placeholders nothing wrote into are dropped again by
+    :func:`optim_state_dict_to_load`. See :mod:`._optim_placeholders` for the values saved
+    from a never-stepped optimizer.
     """
     settings = _active_settings(model)
     config = settings.optim_state_dict_config
@@ -105,12 +125,39 @@ def optim_state_dict(
             cpu_offload=config.offload_to_cpu,
             rank0_only=getattr(config, "rank0_only", False),
         )
-    return _state.optimizer_state(model, optim, full=False, cpu_offload=config.offload_to_cpu)
+    return _sharded_optimizer_state(
+        model,
+        optim,
+        cpu_offload=config.offload_to_cpu,
+        placeholders=has_chosen_type(model),
+    )
+
+
+def _sharded_optimizer_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    cpu_offload: bool = False,
+    placeholders: bool = True,
+) -> dict[str, Any]:
+    """DTensor optimizer state by FQN; with ``placeholders``, placeholders for a fresh
+    ``optim`` (see :func:`optim_state_dict`)."""
+    if not placeholders or _optim_placeholders.has_state(optim):
+        return _state.optimizer_state(model, optim, full=False, cpu_offload=cpu_offload)
+    _optim_placeholders.allocate(optim)
+    try:
+        osd = _state.optimizer_state(model, optim, full=False, cpu_offload=cpu_offload)
+    finally:
+        _optim_placeholders.clear(optim)
+    _optim_placeholders.remember(osd["state"])
+    return osd
 
 
 def _to_param_value(value: Any, param: nn.Parameter) -> Any:
     if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor):
         return value
+    if is_sharded_tensor(value):
+        return to_dtensor_like(value, param)
     if isinstance(value, DTensor):
         if value.device_mesh == param.device_mesh and value.placements == param.placements:
             return value
@@ -146,6 +193,8 @@ def _loadable(
                 f"optim_state_dict names parameter {key!r}, which is not an optimized "
                 f"parameter of the model (known: {sorted(param_by_fqn)})"
             )
+        if _optim_placeholders.unfilled(entry):
+            continue  # a fresh optimizer's placeholders that no load wrote into
         param = param_by_fqn[key]
         value = {name: _to_param_value(v, param) for name, v in entry.items()}
         state[key if keep_names else pid_of[key]] = value
@@ -213,9 +262,10 @@ def full_optim_state_dict(
 def sharded_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
 ) -> dict[str, Any]:
-    """Legacy: optimizer state keyed by FQN with ``DTensor`` shards."""
+    """Legacy: optimizer state keyed by FQN with ``DTensor`` shards (placeholders for a
+    fresh ``optim``, as :func:`optim_state_dict` under SHARDED_STATE_DICT)."""
     _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-    return _state.optimizer_state(model, optim, full=False)
+    return _sharded_optimizer_state(model, optim)
 
 
 def shard_full_optim_state_dict(

@@ -17,6 +17,9 @@ follow the active type:
   keeps only this rank's shard (no communication).
 * ``SHARDED_STATE_DICT``: ``DTensor`` values (FSDP2's native state dict). torch FSDP1
   returns ``ShardedTensor`` unless ``_use_dtensor`` is set; here it is always ``DTensor``.
+  Loading accepts ``DTensor``, full tensors and torch's ``ShardedTensor`` (FSDP1's own
+  sharded values), resharded to each parameter's layout (:mod:`._sharded_tensor`; a
+  collective, as FSDP1's sharded load is).
 * ``LOCAL_STATE_DICT``: this rank's local shard of each parameter as a plain tensor,
   under the parameter's own key. torch FSDP1 instead returns one flattened, padded
   ``_flat_param`` ``ShardedTensor`` per FSDP unit (plus per-parameter views); FSDP2 has no
@@ -47,6 +50,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, buffer_slots, parameter_slots
 from fsdp_interactive.fsdp._raw_state_dict import hooks_suspended
+from fsdp_interactive.fsdp._sharded_tensor import (
+    is_sharded_tensor,
+    local_as_dtensor_like,
+    to_dtensor_like,
+)
 from fsdp_interactive.fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -95,6 +103,13 @@ def settings_of(unit: nn.Module) -> StateDictSettings:
     ``FullyShardedDataParallel`` (see :func:`install_state_dict_hooks`), else the native
     SHARDED behaviour of a raw ``fully_shard`` module."""
     return getattr(unit, _SETTINGS, None) or native_settings()
+
+
+def has_chosen_type(module: nn.Module) -> bool:
+    """Whether the FSDP units under ``module`` have a state-dict type set (by
+    :func:`set_state_dict_type` or FSDP1's default at construction) rather than the native
+    behaviour of a raw ``fully_shard`` model."""
+    return any(getattr(unit, _SETTINGS, None) is not None for unit in fsdp_units(module))
 
 
 def set_state_dict_type(
@@ -310,15 +325,10 @@ def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) 
             continue
         if not isinstance(value, torch.Tensor):
             continue
-        if kind == StateDictType.LOCAL_STATE_DICT:
-            state_dict[key] = DTensor.from_local(
-                value.to(param.device),
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
+        if is_sharded_tensor(value):
+            state_dict[key] = to_dtensor_like(value, param)
+        elif kind == StateDictType.LOCAL_STATE_DICT:
+            state_dict[key] = local_as_dtensor_like(value, param)
         elif tuple(value.shape) == tuple(param.shape):
             state_dict[key] = distribute_tensor(
                 value.to(param.device, param.dtype),

@@ -1,11 +1,11 @@
 """The container recipes in docker/, checked without a Docker engine.
 
 What is checked: the images install what pyproject.toml declares (torch inside its range,
-the runtime dependencies and the lab extra, pinned inside their ranges), the notebooks and
-the entrypoint go in, the image runs as a non-root user with a health check, the compose
-file reserves GPUs, and hadolint/shellcheck pass. What is not: building or running the
-images (no engine, no registry here) — the entrypoint's own behaviour is tested in
-test_docker_entrypoint.py with a real bash.
+the runtime dependencies and the lab and hf extras, pinned inside their ranges), the
+notebooks and the entrypoint go in, the image runs as a non-root user with a health check,
+the compose file reserves GPUs, and hadolint/shellcheck pass. What is not: building or
+running the images (no engine, no registry here) — the entrypoint's own behaviour is tested
+in test_docker_entrypoint.py with a real bash.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from tests.delivery.dockerfile import Recipe, option_values
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
+# The extras the images install besides the runtime dependencies: JupyterLab, transformers.
+IMAGE_EXTRAS = ["lab", "hf"]
 RECIPES = {"gpu": DOCKER / "Dockerfile.gpu", "cpu": DOCKER / "Dockerfile.cpu"}
 ENTRYPOINT_NAME = "fsdp-interactive-entrypoint"
 HEALTHCHECK_NAME = "fsdp-interactive-healthcheck"
@@ -43,10 +45,12 @@ def _project() -> dict:
 
 
 def _declared_requirements() -> list[Requirement]:
-    """What the images must install: runtime dependencies plus the lab extra."""
+    """What the images must install: runtime dependencies plus the lab and hf extras."""
     project = _project()
     return [Requirement(text) for text in project["dependencies"]] + [
-        Requirement(text) for text in project["optional-dependencies"]["lab"]
+        Requirement(text)
+        for extra in IMAGE_EXTRAS
+        for text in project["optional-dependencies"][extra]
     ]
 
 
@@ -133,7 +137,7 @@ def test_declared_dependencies_are_installed_from_pyproject(recipe: Recipe) -> N
     assert len(generate) == 1, f"{recipe.path.name}: requirements are not generated once"
     instruction, words = generate[0]
     assert words[2] == "/tmp/build/pyproject.toml"
-    assert option_values(words, "--extra") == ["lab"]
+    assert option_values(words, "--extra") == IMAGE_EXTRAS
     requirements_file = words[words.index(">") + 1]
     # ... from the repository's own files, copied in before that step ...
     copied = {Path(s).name: c.destination for c in recipe.copies() for s in c.sources}
@@ -150,15 +154,15 @@ def test_declared_dependencies_are_installed_from_pyproject(recipe: Recipe) -> N
             sys.executable,
             DOCKER / "pyproject_requirements.py",
             REPO / "pyproject.toml",
-            "--extra",
-            "lab",
+            *(word for extra in IMAGE_EXTRAS for word in ("--extra", extra)),
         ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.splitlines()
     project = _project()
-    assert output == project["dependencies"] + project["optional-dependencies"]["lab"]
+    extras = [text for extra in IMAGE_EXTRAS for text in project["optional-dependencies"][extra]]
+    assert output == project["dependencies"] + extras
 
 
 def test_requirement_script_rejects_an_unknown_extra() -> None:
