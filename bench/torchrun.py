@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def death_latency(world_size: int, timeout: float = 120.0) -> float:
     return latency
 
 
+_READY_LINE = re.compile(r"READY (\d+) (\d+)")
+
+
 def _ready_pids(
     world_size: int, lines: queue.Queue[str | None], errors: Any, timeout: float
 ) -> dict[int, int]:
@@ -138,8 +142,7 @@ def _ready_pids(
                 f"torchrun of {WAIT_SCRIPT.name} exited before every rank was up:\n"
                 + errors.read()[-3000:]
             )
-        if line.startswith("READY "):
-            _, rank, pid = line.split()
+        for rank, pid in _READY_LINE.findall(line):
             pids[int(rank)] = int(pid)
     return pids
 

@@ -14,7 +14,9 @@ import torch.distributed as dist
 def main() -> None:
     dist.init_process_group("gloo")
     dist.barrier()
-    print(f"READY {dist.get_rank()} {os.getpid()}", flush=True)
+    # One write per line: the ranks share torchrun's stdout, and print() writes the text
+    # and its newline separately, so two ranks' lines could interleave.
+    os.write(1, f"READY {dist.get_rank()} {os.getpid()}\n".encode())
     time.sleep(600)
 
 
