@@ -60,22 +60,29 @@ def testhosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostSet]:
         hosts.down()
 
 
-@pytest.fixture(scope="session")
-def slurm_env(testhosts: HostSet) -> Iterator[dict[str, str]]:
-    """``SLURM_CONF`` set in ``os.environ`` for the session.
-
-    ipyparallel runs ``sbatch`` and ``scancel`` with the calling process's environment.
-    """
-    saved = {key: os.environ.get(key) for key in testhosts.slurm_env}
-    os.environ.update(testhosts.slurm_env)
+@contextlib.contextmanager
+def environ_set(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` for the block; each key's earlier value (or absence) after."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
-        yield testhosts.slurm_env
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def slurm_env(testhosts: HostSet) -> Iterator[dict[str, str]]:
+    """``SLURM_CONF`` set in ``os.environ`` for the session.
+
+    ipyparallel runs ``sbatch`` and ``scancel`` with the calling process's environment.
+    """
+    with environ_set(testhosts.slurm_env):
+        yield testhosts.slurm_env
 
 
 @pytest.fixture(scope="session")
@@ -89,16 +96,8 @@ def mpi_env(testhosts: HostSet) -> Iterator[dict[str, str]]:
         import mpi4py  # noqa: F401
     except ImportError:
         unavailable("mpi4py is not installed (pip install mpi4py); MPI engines need it")
-    saved = {key: os.environ.get(key) for key in testhosts.mpi_env}
-    os.environ.update(testhosts.mpi_env)
-    try:
+    with environ_set(testhosts.mpi_env):
         yield testhosts.mpi_env
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def squeue(env: dict[str, str]) -> list[str]:
