@@ -1,17 +1,21 @@
 """The parent of an engine on another host: it runs the engine and says how it ended.
 
-``python -m fsdp_interactive.pool._engine_parent -- python -m ipyparallel.engine ...``
+``python -m fsdp_interactive._engine_parent -- python -m ipyparallel.engine ...``
 
 ipyparallel's remote launchers cannot tell how an engine ended: the ssh launcher's
 engine is a ``nohup`` orphan whose status nobody collects (its launcher reports -1 for
 any end), and a SLURM job or an ``mpiexec`` reports one status for all ranks. The pool
-therefore starts remote engines under this small parent (:mod:`._processes` wraps the
-engine command of the ssh, SLURM, MPI and other non-local launchers). It:
+therefore starts remote engines under this small parent
+(:mod:`fsdp_interactive.pool._processes` wraps the engine command of the ssh, SLURM, MPI
+and other non-local launchers). It:
 
 * runs the engine command as its child, with the same standard streams, so the
   engine's output goes where the launcher sends it;
 * passes on SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 (launchers signal the
-  pid they started, which is this process);
+  pid they started, which is this process), also one that comes while the engine is
+  still starting: the signals wait blocked until the parent takes them with
+  ``sigtimedwait``, so none is lost, none ends the parent on its own, and none waits for
+  a thread that happens to be in a system call;
 * when the engine ends, writes one line to stderr, :data:`MARKER` followed by the
   engine's pid, its host and the exit status (negative: the signal's number), which
   the kernel reads from the engine's output (:func:`parse_exit`);
@@ -20,8 +24,8 @@ engine command of the ssh, SLURM, MPI and other non-local launchers). It:
 * makes the engine get SIGKILL should this parent die (``PR_SET_PDEATHSIG``), so
   that no engine outlives it.
 
-It imports only the standard library: it starts in a fraction of a second.
-Not done: Windows.
+It imports only the standard library, and sits at the package root so that ``-m`` loads
+nothing else of the package: it starts in a fraction of a second. Not done: Windows.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ _FORWARDED = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+_WATCHED = {*_FORWARDED, signal.SIGCHLD}
+_POLL_S = 1.0
 _PR_SET_PDEATHSIG = 1
 _LINE = re.compile(re.escape(MARKER) + r" pid (\d+) on (\S+) exit (-?\d+)")
 
@@ -73,12 +79,40 @@ def wrap(command: list[str]) -> list[str]:
     return list(command)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent ends (Linux; else nothing)."""
+def _prepare_child() -> None:
+    """In the child, before exec: take the signals the parent blocked, and get SIGKILL when
+    the parent ends (Linux; elsewhere only the former)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _wait_passing_signals_on(child: subprocess.Popen[bytes]) -> int:
+    """Wait for ``child`` to end, sending it each forwarded signal this process gets; its
+    exit status (negative: the signal that ended it)."""
+    while True:
+        code = child.poll()
+        if code is not None:
+            return code
+        # SIGCHLD wakes the wait when the engine ends; the timeout only bounds how long
+        # an end could go unnoticed should SIGCHLD have been taken by someone else.
+        info = signal.sigtimedwait(_WATCHED, _POLL_S)
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            # The child is not reaped before the next poll: its pid is still its own.
+            child.send_signal(info.si_signo)
+
+
+def _end_like(code: int) -> int:
+    """End this process the way the engine ended: by the same signal, else the status."""
+    if code < 0:
+        sig = -code
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+    return code if code >= 0 else 128 - code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,28 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        print(
-            "usage: python -m fsdp_interactive.pool._engine_parent -- COMMAND...", file=sys.stderr
-        )
+        print("usage: python -m fsdp_interactive._engine_parent -- COMMAND...", file=sys.stderr)
         return 2
-    child = subprocess.Popen(args, preexec_fn=_die_with_parent)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(OSError):
-            child.send_signal(signum)
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
-    code = child.wait()
+    # Blocked before the engine starts: a signal that comes meanwhile waits for the loop.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+    try:
+        child = subprocess.Popen(args, preexec_fn=_prepare_child)
+    except OSError as error:
+        print(f"fsdp_interactive._engine_parent: cannot run {args[0]!r}: {error}", file=sys.stderr)
+        return 127
+    code = _wait_passing_signals_on(child)
     print(exit_line(child.pid, socket.gethostname(), code), file=sys.stderr, flush=True)
-    if code < 0:
-        sig = -code
-        for forwarded in _FORWARDED:
-            signal.signal(forwarded, signal.SIG_DFL)
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    return code if code >= 0 else 128 - code
+    return _end_like(code)
 
 
 if __name__ == "__main__":

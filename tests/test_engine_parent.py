@@ -5,10 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
-from fsdp_interactive.pool._engine_parent import parse_exit, wrap
+from fsdp_interactive._engine_parent import parse_exit, wrap
 
-PARENT = [sys.executable, "-m", "fsdp_interactive.pool._engine_parent", "--"]
+PARENT = [sys.executable, "-m", "fsdp_interactive._engine_parent", "--"]
 
 
 def test_an_engine_killed_by_a_signal_is_reported_and_its_parent_ends_the_same_way():
@@ -62,7 +63,52 @@ def test_exit_reports_are_told_apart_by_pid_and_host():
 
 def test_only_engine_commands_are_wrapped():
     assert wrap(["/py", "-m", "ipyparallel.engine", "--mpi"]) == [
-        "/py", "-m", "fsdp_interactive.pool._engine_parent", "--",
+        "/py", "-m", "fsdp_interactive._engine_parent", "--",
         "/py", "-m", "ipyparallel.engine", "--mpi",
     ]  # fmt: skip
     assert wrap(["my-engine", "--x"]) == ["my-engine", "--x"]
+
+
+def _blocks(pid: int, sig: signal.Signals) -> bool:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigBlk:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_signal_that_comes_while_the_engine_starts_is_passed_on():
+    proc = subprocess.Popen(
+        [*PARENT, sys.executable, "-c", "import time; time.sleep(60)"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The parent holds the signals from just before it starts the engine; one sent now
+        # may find the engine not yet running, and must reach it all the same.
+        deadline = time.monotonic() + 30
+        while not _blocks(proc.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert parse_exit(err) == -signal.SIGTERM, err
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_the_parent_loads_nothing_of_the_package_but_itself():
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *PARENT[1:], sys.executable, "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert {name for name in loaded if name.startswith("fsdp_interactive")} == {
+        "fsdp_interactive"
+    }, sorted(loaded)

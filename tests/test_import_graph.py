@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "_ranks": 0,
     "_torch_compat": 0,
     "_background_groups": 0,
+    "_engine_parent": 0,  # run with -m on other hosts: the standard library only
     # rank side: the FSDP1 API, the example models; the pool (notebook side) sits beside
     "fsdp": 1,
     "examples": 1,

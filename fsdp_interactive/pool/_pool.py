@@ -36,7 +36,7 @@ part are shown with ``log_level=`` (or ``$FSDPI_LOG_LEVEL``), see :mod:`._logs`.
 Multi-node: any ipyparallel engine launcher can be named with ``engines=`` (its options
 pass through, ``controller_ip`` included: the controller listens on loopback by default
 and must be given an address of this host), or ``Pool.connect()`` joins a running
-cluster. Remote engines run under :mod:`._engine_parent`, which reports each one's exit
+cluster. Remote engines run under :mod:`fsdp_interactive._engine_parent`, which reports each one's exit
 status; launchers that cannot succeed any more fail the start at once
 (:mod:`._launch_watch`); ssh hosts are checked first (:mod:`._ssh_check`); ranks whose
 kernel dies exit by themselves (:mod:`._rank_agent`). The ``multihost`` tests run all

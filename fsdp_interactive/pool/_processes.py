@@ -10,7 +10,7 @@ controller starts (:mod:`._forked_launcher`, :mod:`._engine_forker`); they wait 
 controller's connection file themselves (:mod:`._engine_entry`), so controller, torch
 import and engine start-up overlap instead of following each other. A restart keeps the
 forker and forks fresh engines from it. An ``engines=`` launcher other than ``"local"``
-gets ipyparallel's own launcher, its engine command run under :mod:`._engine_parent`
+gets ipyparallel's own launcher, its engine command run under :mod:`fsdp_interactive._engine_parent`
 (which reports each engine's exit status, on whatever host it runs); ssh hosts are
 checked before anything starts (:mod:`._ssh_check`); a ``config`` that sets the local
 engine command gets ipyparallel's local launcher unchanged. Remote engines' pids are
@@ -39,7 +39,8 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive.pool import _engine_parent, _launch_watch, _ssh_check
+from fsdp_interactive import _engine_parent
+from fsdp_interactive.pool import _launch_watch, _ssh_check
 from fsdp_interactive.pool._engine_entry import engine_command
 from fsdp_interactive.pool._loop import LoopThread
 from fsdp_interactive.pool._pids import end_processes, is_running, start_time
@@ -80,7 +81,7 @@ class EngineProcess:
     launcher: Any
     created: float | None
     #: The pid the rank reported, when the launcher started the engine's parent
-    #: (:mod:`._engine_parent`) rather than the engine itself.
+    #: (:mod:`fsdp_interactive._engine_parent`) rather than the engine itself.
     rank_pid: int | None = None
     #: The launcher started every engine at once (``mpiexec``, a batch job): it knows
     #: about the whole set only, and its output holds every engine's.
@@ -114,7 +115,7 @@ class EngineProcess:
         """The exit status (negative: killed by that signal); ``None`` if unknown.
 
         A remote engine's status is the one its parent reported in its output
-        (:mod:`._engine_parent`): the ssh launcher's own status is -1 for any end.
+        (:mod:`fsdp_interactive._engine_parent`): the ssh launcher's own status is -1 for any end.
         """
         if self.shared:
             return self._reported_exit()
@@ -367,7 +368,7 @@ class LaunchedProcesses:
 
     def alias(self, rank_pid: int, parent_pid: int | None) -> None:
         """Rank ``rank_pid`` is the engine whose parent the launcher started as
-        ``parent_pid`` (remote engines run under :mod:`._engine_parent`)."""
+        ``parent_pid`` (remote engines run under :mod:`fsdp_interactive._engine_parent`)."""
         if parent_pid and rank_pid not in self._launchers:
             self._aliases[rank_pid] = parent_pid
 
@@ -476,7 +477,7 @@ class LaunchedProcesses:
 
 def _with_engine_parent(engines: str) -> Any:
     """ipyparallel's engine set launcher named ``engines``, its engines run under
-    :mod:`._engine_parent` (which reports how each ended), under the same class name
+    :mod:`fsdp_interactive._engine_parent` (which reports how each ended), under the same class name
     (so the configuration of that name and of its bases applies unchanged)."""
     from ipyparallel.cluster.launcher import find_launcher_class
 
