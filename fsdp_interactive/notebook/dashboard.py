@@ -28,6 +28,11 @@ class Dashboard(View):
     Parts: ``layout`` (LayoutView), ``grads`` (GradNormView), ``summon`` (SummonPanel),
     ``monitor`` (GradNormMonitor, when given) and ``checkpoints`` (a CheckpointPanel, when
     given), plus the pool's topology and every rank's memory (``memory``).
+
+    The widget opens on the "Ranks" tab and draws a part's widget the first time its tab
+    is selected: every part's data is probed at construction (``text()`` and ``html()``
+    show them all), but only the pictures the user looks at are drawn, each at most once
+    a refresh.
     """
 
     def __init__(
@@ -97,11 +102,23 @@ class Dashboard(View):
         self._refresh_button = w.Button(description="Refresh all", icon="refresh")
         self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
         overview = w.VBox([self._ranks, self._memory_image])
-        children = [overview] + [part.widget for _, part in self._parts()]
-        tabs = w.Tab(children=children)
-        for index, title in enumerate(["Ranks"] + [name for name, _ in self._parts()]):
-            tabs.set_title(index, title)
-        return w.VBox([self._refresh_button, tabs, self._error_box()])
+        parts = self._parts()
+        self._tab_parts = [part for _, part in parts]
+        # Filled with the part's widget when its tab is first selected (see _open_tab).
+        self._tab_boxes = [w.VBox() for _ in parts]
+        self._tabs = w.Tab(children=[overview, *self._tab_boxes], selected_index=0)
+        for index, title in enumerate(["Ranks"] + [name for name, _ in parts]):
+            self._tabs.set_title(index, title)
+        self._tabs.observe(self._clicked(self._open_tab, "drawing the tab"), names="selected_index")
+        return w.VBox([self._refresh_button, self._tabs, self._error_box()])
+
+    def _open_tab(self) -> None:
+        index = self._tabs.selected_index
+        if not index:
+            return
+        box = self._tab_boxes[index - 1]
+        if not box.children:
+            box.children = (self._tab_parts[index - 1].widget,)
 
     def _update_widget(self) -> None:
         self._ranks.value = topology_html(self.source.topology()) + memory_html(self.memory)

@@ -205,6 +205,13 @@ def test_dashboard_combines_topology_memory_and_views(source, tmp_path):
         "Gradients",
         "Summon",
     ]
+    # Only the open tab is drawn; a part's widget appears when its tab is selected.
+    tabs = widget.children[1]
+    assert tabs.selected_index == 0 and tabs.children[1].children == ()
+    assert dashboard.layout._widget is None
+    tabs.selected_index = 1
+    assert tabs.children[1].children == (dashboard.layout.widget,)
+    assert tabs.children[2].children == ()
     dashboard._refresh_button.click()
     assert "embed.weight" in dashboard.layout._table.value
     html = dashboard.html()
