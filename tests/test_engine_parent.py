@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from fsdp_interactive._engine_parent import parse_exit, wrap
 
 PARENT = [sys.executable, "-m", "fsdp_interactive._engine_parent", "--"]
+
+
+@contextlib.contextmanager
+def _parent_of(child: str) -> Iterator[subprocess.Popen[str]]:
+    """The parent running ``python -c child``, its stdout and stderr piped; killed (with
+    its engine, which dies with it) should the test end before it does."""
+    proc = subprocess.Popen(
+        [*PARENT, sys.executable, "-c", child],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_an_engine_killed_by_a_signal_is_reported_and_its_parent_ends_the_same_way():
@@ -31,20 +51,10 @@ def test_signals_to_the_parent_reach_the_engine():
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen(
-        [*PARENT, sys.executable, "-c", child],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _parent_of(child) as proc:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 7
     assert parse_exit(err) == 7, err
 
@@ -78,12 +88,7 @@ def _blocks(pid: int, sig: signal.Signals) -> bool:
 
 
 def test_a_signal_that_comes_while_the_engine_starts_is_passed_on():
-    proc = subprocess.Popen(
-        [*PARENT, sys.executable, "-c", "import time; time.sleep(60)"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _parent_of("import time; time.sleep(60)") as proc:
         # The parent holds the signals from just before it starts the engine; one sent now
         # may find the engine not yet running, and must reach it all the same.
         deadline = time.monotonic() + 30
@@ -92,10 +97,6 @@ def test_a_signal_that_comes_while_the_engine_starts_is_passed_on():
             time.sleep(0.001)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert parse_exit(err) == -signal.SIGTERM, err
     assert proc.returncode == -signal.SIGTERM
 
