@@ -21,7 +21,10 @@ Dimension 0 of a 2-D mesh replicates and dimension 1 shards (``fully_shard``'s H
 which is also FSDP1's: intra-node shard group, inter-node replicate group). The hybrid mesh
 comes from ``device_mesh`` when given, from a ``process_group=(intra, inter)`` tuple (built as
 ``(inter, intra)``), or from the world size and the ``LOCAL_WORLD_SIZE`` environment variable
-(one replica per node; without the variable the whole world is one shard group).
+(one replica per node; without the variable the whole world is one shard group). Every rank
+must have the same ``LOCAL_WORLD_SIZE``, dividing the world size: hosts with different
+numbers of ranks get a ``ValueError`` on every rank that names the hosts and what to pass
+instead.
 
 NO_SHARD uses a shard dimension of size one because ``fully_shard`` rejects ``Replicate()``
 placements: each rank keeps whole parameters and gradients are all-reduced across dim 0.
@@ -34,6 +37,7 @@ each sub-group once.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -101,11 +105,77 @@ def _mesh_from_group_pair(
     )
 
 
-def _local_world_size() -> int:
+def _ranks_text(ranks: list[int]) -> str:
+    """``"rank 2"``, ``"ranks 0-1"``, ``"ranks 0, 3"``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def describe_hosts(layout: list[tuple[str, str | None]]) -> str:
+    """``"hosta: 2 ranks (ranks 0-1, LOCAL_WORLD_SIZE=2); hostb: 1 rank (rank 2, ...)"``
+    from every rank's ``(host, LOCAL_WORLD_SIZE)`` in rank order."""
+    by_host: dict[str, dict[str | None, list[int]]] = {}
+    for rank, (host, local) in enumerate(layout):
+        by_host.setdefault(host, {}).setdefault(local, []).append(rank)
+    parts = []
+    for host, by_local in by_host.items():
+        count = sum(len(ranks) for ranks in by_local.values())
+        detail = "; ".join(
+            f"{_ranks_text(ranks)}, LOCAL_WORLD_SIZE={'unset' if local is None else local}"
+            for local, ranks in by_local.items()
+        )
+        parts.append(f"{host}: {count} rank{'s' if count != 1 else ''} ({detail})")
+    return "; ".join(parts)
+
+
+def _host_layout() -> list[tuple[str, str | None]]:
+    """Every rank's ``(host name, LOCAL_WORLD_SIZE)``, in rank order (collective over the
+    default group)."""
+    gathered: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (socket.gethostname(), os.environ.get("LOCAL_WORLD_SIZE")))
+    return [item for item in gathered if item is not None]
+
+
+def _hybrid_shape(strategy: ShardingStrategy) -> tuple[int, int]:
+    """``(replicas, shard size)`` of the default hybrid mesh: one replica per host of
+    ``LOCAL_WORLD_SIZE`` ranks (the whole world when no rank sets it).
+
+    Collective: every rank checks the same gathered layout, so a layout that cannot make
+    the mesh fails on every rank with the same ``ValueError`` instead of leaving some
+    ranks waiting for the others in the mesh's collectives. A shape that passed is kept
+    per default group and ``LOCAL_WORLD_SIZE`` value, so wrapping many units gathers once;
+    an error keeps nothing, so every rank gathers again after the variable is fixed
+    (changing it on some ranks only, after a shape was built, is not supported: those
+    ranks would gather alone).
+    """
+    return once_per_default_group(
+        ("fsdp-hybrid-shape", os.environ.get("LOCAL_WORLD_SIZE")),
+        lambda: _checked_hybrid_shape(strategy),
+    )
+
+
+def _checked_hybrid_shape(strategy: ShardingStrategy) -> tuple[int, int]:
     world = dist.get_world_size()
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    layout = _host_layout()
+    values = {local for _, local in layout}
+    remedy = (
+        "pass device_mesh=init_device_mesh(device_type, (replicas, shard_size), "
+        "mesh_dim_names=('replicate', 'shard')) with the shape you want, or "
+        "sharding_strategy=ShardingStrategy.FULL_SHARD to shard over all ranks"
+    )
+    if len(values) > 1:
+        raise ValueError(
+            f"{strategy.name} needs the same number of ranks on every host: its default mesh "
+            "has one replica per host, LOCAL_WORLD_SIZE ranks each, and LOCAL_WORLD_SIZE must "
+            f"be the same on every rank and divide the world size {world}; this job has "
+            f"{describe_hosts(layout)}. To shard anyway, {remedy}"
+        )
+    (raw,) = values
     if raw is None:
-        return world
+        return 1, world
     try:
         local = int(raw)
     except ValueError:
@@ -113,9 +183,10 @@ def _local_world_size() -> int:
     if local < 1 or world % local:
         raise ValueError(
             f"LOCAL_WORLD_SIZE={local} must be a positive divisor of the world size {world} "
-            "to build a HYBRID_SHARD mesh"
+            f"to build a {strategy.name} mesh (one replica per host, LOCAL_WORLD_SIZE ranks "
+            f"each); this job has {describe_hosts(layout)}. To shard anyway, {remedy}"
         )
-    return local
+    return world // local, local
 
 
 def resolve_layout(
@@ -169,8 +240,7 @@ def resolve_layout(
                 f"process_group for {strategy.name} must be an (intra_node, inter_node) tuple of "
                 f"process groups or None, got a single {type(process_group).__name__}"
             )
-        local = _local_world_size()
-        mesh = _world_mesh(device_type, (dist.get_world_size() // local, local))
+        mesh = _world_mesh(device_type, _hybrid_shape(strategy))
         return ShardingLayout(strategy, mesh, reshard)
 
     if isinstance(process_group, tuple):

@@ -269,6 +269,33 @@ def rank_hosts(model_layout: ModelLayout) -> list[str]:
     return [t.host for t in model_layout.ranks]
 
 
+def host_runs(hosts: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """``(host, positions)`` for each run of consecutive entries of ``hosts`` on one host.
+
+    Empty when every entry names the same host or a host is unknown (``""``): views then
+    show no host boundaries. A pool's ranks are contiguous per host, so each host is
+    usually one run; a host that comes back later is a run of its own.
+    """
+    if len(set(hosts)) < 2 or "" in hosts:
+        return []
+    runs: list[tuple[str, list[int]]] = []
+    for position, host in enumerate(hosts):
+        if runs and runs[-1][0] == host:
+            runs[-1][1].append(position)
+        else:
+            runs.append((host, [position]))
+    return runs
+
+
+def hosts_phrase(hosts: Sequence[str], ranks: Sequence[int]) -> str:
+    """``"2 hosts: hosta r0-1, hostb r2-3"`` (empty for one host): which ranks each holds."""
+    runs = host_runs(hosts)
+    if not runs:
+        return ""
+    named = ", ".join(f"{host} {rank_span([ranks[i] for i in at])}" for host, at in runs)
+    return f"{len({host for host, _ in runs})} hosts: {named}"
+
+
 # ---------------------------------------------------------------------------- selections
 
 SORTS = ("model", "size")

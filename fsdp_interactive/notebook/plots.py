@@ -30,6 +30,8 @@ from fsdp_interactive.inspect import (
 from fsdp_interactive.notebook._groups import (
     LayoutSelection,
     UnitRow,
+    host_runs,
+    rank_hosts,
     select_layout,
     select_norms,
 )
@@ -242,9 +244,33 @@ def _memory_bars(totals: Axes, model_layout: ModelLayout) -> None:
     )
     totals.set_xlabel("rank")
     totals.set_ylabel(unit)
-    totals.set_ylim(0, max(bottom, default=0) * 1.05 or 1)
+    runs = host_runs(rank_hosts(model_layout))
+    # Room above the bars for the host labels when there are hosts to tell apart.
+    totals.set_ylim(0, max(bottom, default=0) * (1.2 if runs else 1.05) or 1)
+    _host_boundaries(totals, runs, len(ranks))
     totals.set_title("memory per rank", fontsize=10)
     totals.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+
+
+def _host_boundaries(axes: Axes, runs: list[tuple[str, list[int]]], ranks: int) -> None:
+    """A dashed line between the bars of ranks on different hosts and each host's name
+    above its bars (cut to what its bars' width holds, so 8+ ranks stay readable)."""
+    top = axes.get_xaxis_transform()  # x in data (bar positions), y in axes fraction
+    for host, at in runs:
+        if at[0] > 0:
+            axes.axvline(at[0] - 0.5, color="0.35", linestyle="--", linewidth=1)
+        room = max(3, 4 * len(at))
+        label = host if len(host) <= room else host[: room - 1] + "\u2026"
+        axes.text(
+            (at[0] + at[-1]) / 2,
+            0.98,
+            label,
+            transform=top,
+            ha="center",
+            va="top",
+            fontsize=_rank_label_size(ranks),
+            color="0.2",
+        )
 
 
 def _byte_unit(largest: float) -> tuple[str, float]:

@@ -29,6 +29,9 @@ from fsdp_interactive.inspect import (
 from fsdp_interactive.notebook._format import html_table
 from fsdp_interactive.notebook._groups import (
     LayoutSelection,
+    host_runs,
+    hosts_phrase,
+    rank_hosts,
     rank_span,
     select_layout,
     select_norms,
@@ -91,8 +94,10 @@ def _unit_rows(selection: LayoutSelection) -> list[tuple[str, ...]]:
     return rows
 
 
-def _rank_rows(model_layout: ModelLayout) -> list[tuple[str, ...]]:
-    return [
+def _rank_table(model_layout: ModelLayout) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Headers and rows of the bytes-per-rank table; ranks on several hosts get a
+    ``host`` column naming each host on the first row of its ranks."""
+    rows = [
         (
             f"rank {t.rank}",
             human_bytes(t.param_bytes),
@@ -102,6 +107,15 @@ def _rank_rows(model_layout: ModelLayout) -> list[tuple[str, ...]]:
             human_bytes(t.total_bytes),
         )
         for t in model_layout.ranks
+    ]
+    runs = host_runs(rank_hosts(model_layout))
+    if not runs:
+        return _RANK_HEADERS, rows
+    labels = [""] * len(rows)
+    for host, at in runs:
+        labels[at[0]] = host
+    return ("host", *_RANK_HEADERS), [
+        (label, *row) for label, row in zip(labels, rows, strict=True)
     ]
 
 
@@ -113,6 +127,9 @@ def _layout_head(model_layout: ModelLayout, selection: LayoutSelection) -> str:
         f"{len(model_layout.params)} parameters in {selection.units} FSDP units, "
         f"{human_bytes(model_layout.model_bytes)} unsharded, over {model_layout.world_size} ranks"
     )
+    hosts = hosts_phrase(rank_hosts(model_layout), [t.rank for t in model_layout.ranks])
+    if hosts:
+        head += f" on {hosts}"
     if selection.pattern:
         head += f"; filter {selection.pattern!r}"
     return head
@@ -143,7 +160,7 @@ def layout_text(model_layout: ModelLayout, selection: LayoutSelection | None = N
         + "\n"
         + text_table(_PARAM_HEADERS, _param_rows(selection.params)),
         _cut_note(len(selection.params), selection.param_count, "parameters"),
-        text_table(_RANK_HEADERS, _rank_rows(model_layout)),
+        text_table(*_rank_table(model_layout)),
     ]
     return "\n\n".join(p for p in parts if p)
 
@@ -162,7 +179,7 @@ def layout_html(model_layout: ModelLayout, selection: LayoutSelection | None = N
         + html_table(_PARAM_HEADERS, _param_rows(selection.params))
         + note(_cut_note(len(selection.params), selection.param_count, "parameters"))
         + "<br/>"
-        + html_table(_RANK_HEADERS, _rank_rows(model_layout))
+        + html_table(*_rank_table(model_layout))
     )
 
 
@@ -313,14 +330,24 @@ def _field(record: Any, name: str) -> Any:
     return getattr(record, name, "")
 
 
+def _topology_hosts(topology: Sequence[Any]) -> str:
+    """``"2 hosts: hosta r0-1, hostb r2"`` for ranks on several hosts, else empty."""
+    return hosts_phrase(
+        [str(_field(r, "host")) for r in topology], [int(_field(r, "rank")) for r in topology]
+    )
+
+
 def topology_text(topology: Sequence[Any]) -> str:
+    """The rank table; ranks on several hosts are headed by which ranks each host holds."""
     headers, rows = _topology_rows(topology)
-    return text_table(headers, rows)
+    hosts = _topology_hosts(topology)
+    return (hosts + "\n" if hosts else "") + text_table(headers, rows)
 
 
 def topology_html(topology: Sequence[Any]) -> str:
     headers, rows = _topology_rows(topology)
-    return html_table(headers, rows)
+    hosts = _topology_hosts(topology)
+    return (f"<b>{html_lib.escape(hosts)}</b>" if hosts else "") + html_table(headers, rows)
 
 
 def steps_phrase(records: Sequence[GradNormRecord]) -> str:

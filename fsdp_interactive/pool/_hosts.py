@@ -3,6 +3,8 @@ versions a rank on another host runs.
 
 * :func:`check_controller_ip`: the controller can listen only on an address of this
   host (or on every interface); checked before anything starts.
+* :func:`interface_holding`: the network interface that holds an address (the one a
+  rank's collective sockets are bound to).
 * :func:`version_mismatches` / :func:`describe_mismatches`: torch, fsdp_interactive
   and Python of a rank against this kernel's; ranks that differ are refused when the
   group forms, naming both versions.
@@ -34,6 +36,29 @@ def local_addresses() -> set[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6):
                 found.add(a.address.split("%")[0])
     return found
+
+
+def interface_holding(address: str) -> str | None:
+    """The name of this host's network interface that holds the IP ``address``
+    (``None``: no interface holds it). The first one in ``psutil``'s order when
+    several do."""
+    try:
+        wanted = str(ipaddress.ip_address(address))
+    except ValueError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == wanted:
+                return name
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is a loopback IP address (``127.0.0.0/8``, ``::1``)."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def check_controller_ip(value: object) -> None:

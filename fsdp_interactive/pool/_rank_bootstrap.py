@@ -46,6 +46,10 @@ from fsdp_interactive.pool import _hosts, _logs, _torch_recorder
 
 log = logging.getLogger(__name__)
 
+#: The variables that name the interface gloo's and NCCL's sockets bind (torch reads them
+#: when the group is created).
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
 _READY_KEY = "fsdp_interactive/ready"
 _ALL_READY_KEY = "fsdp_interactive/all_ready"
 
@@ -138,10 +142,13 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s, env (extra
     environment variables, e.g. socket interface names); optional: flight_recorder
     (ring buffer entries, 0: off, ``None``: the environment's setting),
-    check_collectives (bool), title (the process title).
+    check_collectives (bool), title (the process title), socket_address (this rank's
+    address on the pool's network: gloo and NCCL bind the interface that holds it, see
+    :func:`bind_collective_sockets`).
 
     The record says, under ``recorder_note``, why the flight recorder does not record
-    this group's collectives (``None`` when it does).
+    this group's collectives (``None`` when it does), and under ``socket_ifnames`` which
+    interface each of :data:`SOCKET_IFNAME_VARS` names on this rank (set here or before).
     """
     import torch
     import torch.distributed as dist
@@ -158,6 +165,7 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         MASTER_PORT=str(spec["master_port"]),
     )
     device = torch.device(spec["device"])
+    socket_ifnames = bind_collective_sockets(spec.get("socket_address"), cuda=device.type == "cuda")
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if device.index is None or device.index >= visible:
@@ -236,7 +244,46 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         "backend": dist.get_backend(),
         "thread_id": threading.get_ident(),
         "recorder_note": recorder_note,
+        "socket_ifnames": socket_ifnames,
     }
+
+
+def bind_collective_sockets(address: str | None, *, cuda: bool) -> dict[str, str]:
+    """Point gloo (and, for a CUDA rank, NCCL) at the interface that holds ``address``.
+
+    Without ``GLOO_SOCKET_IFNAME`` gloo binds whatever this host's name resolves to,
+    which on many hosts is a loopback address (``127.0.1.1``) that peers on other hosts
+    cannot reach. Each variable already in this process's environment is left as it is
+    (the user's choice, or a launcher's); ``address`` ``None`` (a single-host pool, whose
+    names come with ``spec["env"]``) changes nothing. A loopback ``address``, or one no
+    interface holds, changes nothing either and logs a warning: pinning would only
+    hide the problem behind a later connection timeout.
+
+    Returns ``{variable: interface}`` for every one of :data:`SOCKET_IFNAME_VARS` that is
+    set afterwards.
+    """
+    wanted = SOCKET_IFNAME_VARS if cuda else SOCKET_IFNAME_VARS[:1]
+    unset = [var for var in wanted if var not in os.environ]
+    if address is not None:
+        for var in wanted:
+            if var not in unset:
+                log.info("%s=%s kept from the environment", var, os.environ[var])
+    if address is not None and unset:
+        interface = _hosts.interface_holding(address)
+        if interface is None or _hosts.is_loopback(address):
+            log.warning(
+                "%s: this rank's address %s is %s; %s left unset, so ranks on other hosts "
+                "may not reach it (set them in the engines' environment to choose)",
+                socket.gethostname(),
+                address,
+                "on no interface here" if interface is None else "a loopback address",
+                "/".join(unset),
+            )
+        else:
+            for var in unset:
+                os.environ[var] = interface
+                log.info("%s=%s (the interface that holds %s)", var, interface, address)
+    return {var: os.environ[var] for var in SOCKET_IFNAME_VARS if var in os.environ}
 
 
 def leave_group() -> None:

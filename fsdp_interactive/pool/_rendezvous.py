@@ -16,7 +16,9 @@ cluster the pool connected to), each a call on the engines into
 
 A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners on
 loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
-listens on that address only and each agent on its rank's address. The agents' key is
+listens on that address only, each agent on its rank's address, and each rank binds
+gloo (and NCCL) to the interface that holds its address (see
+:func:`._rank_bootstrap.bind_collective_sockets`). The agents' key is
 derived from the cluster's HMAC key and a nonce that :attr:`Group.nonce` holds (the key
 itself never travels).
 
@@ -32,19 +34,17 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import psutil
 
 from fsdp_interactive.pool import _engine_shell, _hosts
 from fsdp_interactive.pool import _rank_bootstrap as rank_side
 from fsdp_interactive.pool._diagnosis import traceback_text
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement
+from fsdp_interactive.pool._rank_bootstrap import SOCKET_IFNAME_VARS
 from fsdp_interactive.pool._topology import RankRecord, assign_ranks
 from fsdp_interactive.pool.errors import PoolStartError
 
@@ -193,6 +193,8 @@ class Rendezvous:
                 "device": placement.device_for(slot.local_rank),
                 "pg_timeout_s": self._pg_timeout,
                 "env": env,
+                # Several hosts: each rank binds gloo/NCCL to the interface of its address.
+                "socket_address": None if single_host else slot.address,
                 "flight_recorder": self._flight_recorder,
                 "check_collectives": self._check_collectives,
                 "title": f"fsdp-interactive rank {slot.rank}/{n}, pool {nonce.hex()[:8]}",
@@ -229,6 +231,8 @@ class Rendezvous:
         group.thread_ids = {r: joined[r]["thread_id"] for r in joined}
         group.agents = {r: (joined[r]["agent"][0], int(joined[r]["agent"][1])) for r in joined}
         group.recorder_notes = {r: joined[r]["recorder_note"] for r in joined}
+        for r in sorted(joined):
+            log.debug("rank %d collective sockets: %s", r, joined[r].get("socket_ifnames") or {})
         return group
 
     def set_up_namespaces(self, group: Group) -> None:
@@ -332,15 +336,9 @@ def leave_group(client: Any, records: list[RankRecord]) -> None:
 
 
 def socket_env() -> dict[str, str]:
-    """Keep gloo's and NCCL's listeners on loopback for a single-host pool."""
-    loopback = None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
-            loopback = name
-            break
-    env: dict[str, str] = {}
-    if loopback is not None:
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if var not in os.environ:
-                env[var] = loopback
-    return env
+    """Keep gloo's and NCCL's listeners on loopback for a single-host pool (variables
+    already set in this kernel's environment are left to the engines, which inherit them)."""
+    loopback = _hosts.interface_holding("127.0.0.1")
+    if loopback is None:
+        return {}
+    return {var: loopback for var in SOCKET_IFNAME_VARS if var not in os.environ}

@@ -21,6 +21,7 @@ multi-host pool needs beyond ``engines=`` today:
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from traitlets.config import Config
@@ -31,12 +32,20 @@ from tests.multihost.testhosts import HostSet
 IPP_ENGINE_ENV = ("IPP_CLUSTER_ID", "IPP_PROFILE_DIR", "IPP_CONNECTION_INFO")
 
 
-def ssh_pool_kwargs(hosts: HostSet, per_host: int, profile_dir: str) -> dict[str, Any]:
-    """``engines="ssh"``: ``per_host`` engines on every host, started over ssh."""
+def ssh_pool_kwargs(
+    hosts: HostSet, per_host: int | Mapping[str, int], profile_dir: str
+) -> dict[str, Any]:
+    """``engines="ssh"``: ``per_host`` engines on every host (or ``{host: engines}``),
+    started over ssh."""
+    engines = (
+        dict(per_host)
+        if isinstance(per_host, Mapping)
+        else {host.name: per_host for host in hosts.hosts}
+    )
     config = Config(
         {
             "SSHEngineSetLauncher": {
-                "engines": {host.name: per_host for host in hosts.hosts},
+                "engines": engines,
                 "remote_python": sys.executable,
                 # The file system is shared: the same directory on every host.
                 "remote_profile_dir": profile_dir,

@@ -151,6 +151,46 @@ def test_rendezvous_store_listens_on_rank0s_address_only(ssh_pool, testhosts):
     assert sockets == {(rank0.address, port)}
 
 
+def established(hosts: HostSet, host: str, pid: int) -> set[tuple[str, int, str, int]]:
+    """``(local address, port, peer address, port)`` of process ``pid``'s established TCP
+    connections, on ``host``."""
+    found = set()
+    for line in hosts.run(host, ["ss", "-H", "-tnp"]).stdout.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "ESTAB" and f"pid={pid}," in line:
+            local, peer = (f.rsplit(":", 1) for f in fields[3:5])
+            found.add((local[0], int(local[1]), peer[0], int(peer[1])))
+    return found
+
+
+def interface_of(hosts: HostSet, host: str, address: str) -> str:
+    """The interface that holds ``address`` on ``host`` (``ip -o addr`` there)."""
+    for line in hosts.run(host, ["ip", "-o", "-4", "addr", "show"]).stdout.splitlines():
+        if f" {address}/" in line:
+            return line.split()[1].split("@")[0]
+    raise AssertionError(f"no interface holds {address} on {host}")
+
+
+def test_gloo_binds_each_ranks_cluster_interface_not_loopback(ssh_pool, testhosts):
+    rank0, remote = ssh_pool.topology
+    ifnames = ssh_pool.run("import os; os.environ.get('GLOO_SOCKET_IFNAME')", stream=False).results
+    assert ifnames == {
+        0: repr(interface_of(testhosts, rank0.host, rank0.address)),
+        1: repr(interface_of(testhosts, remote.host, remote.address)),
+    }
+    ssh_pool.run("dist.all_reduce(torch.ones(1))", stream=False)  # the gloo pair is connected
+    port = store_port(ssh_pool)
+    # Connections between the two rank processes: the store client's and gloo's pair.
+    rank0_ends = {(c[0], c[1]) for c in established(testhosts, rank0.host, rank0.pid)}
+    between = {
+        c for c in established(testhosts, remote.host, remote.pid) if (c[2], c[3]) in rank0_ends
+    }
+    gloo = {c for c in between if c[3] != port}
+    assert gloo, f"no gloo connection between the ranks' processes: {between}"
+    assert {(c[0], c[2]) for c in between} == {(remote.address, rank0.address)}, between
+    assert not any(address.startswith("127.") for c in gloo for address in (c[0], c[2]))
+
+
 def test_a_remote_rank_killed_by_sigkill_is_reported_with_its_signal_and_log(ssh_pool, testhosts):
     from fsdp_interactive.pool import RankDied
 

@@ -1,0 +1,207 @@
+"""Two simulated hosts x two ranks: ``Pool.start()`` and cell dispatch against torchrun.
+
+Needs the simulated hosts of ``tests/multihost/testhosts.py`` (root; ``python -m
+tests.multihost.testhosts --state DIR up``) and ``FSDPI_TESTHOSTS=DIR``. Contenders:
+
+* ``Pool(4).start()`` (ours) with ipyparallel's MPI launcher placing two engines on
+  each host (``mpiexec`` over the hosts' ssh), timed until ``start()`` returns; the pool
+  is stopped (untimed) before the next sample;
+* ``torchrun --nnodes 2 --nproc-per-node 2`` with c10d rendezvous on hosta's address,
+  one launcher started in each host's namespaces, of ``bench/scripts/noop_rank.py``:
+  timed to rank 0's ``READY`` (a usable group) and to both launchers' exit (what a
+  relaunch costs);
+* ``Pool.run("pass")`` on a started 2x2 pool (ours): one round trip to every rank.
+
+Start samples alternate pool / torchrun; medians with their ranges and paired ratios are
+reported. No target: the figure says what crossing a host costs, next to torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.availability import missing
+from bench.runner import Comparison, FigureResult, Settings, Stat, figure_main, measure
+from bench.torchrun import NOOP_SCRIPT, Relaunch
+
+HOSTS, PER_HOST = 2, 2
+POOL_START = "Pool(4).start(), 2 hosts x 2 (ours, MPI launcher)"
+TORCHRUN_READY = "torchrun --nnodes 2 to a ready group"
+TORCHRUN_TOTAL = "torchrun --nnodes 2 relaunch, launch to exit"
+POOL_RUN = "Pool.run('pass') on 2 hosts x 2 (ours)"
+
+
+def host_set():
+    """The simulated hosts named by ``FSDPI_TESTHOSTS`` (``None`` when they are not up)."""
+    from tests.multihost.testhosts import HostSet
+
+    state = os.environ.get("FSDPI_TESTHOSTS")
+    if not state or not HostSet(state).is_up:
+        return None
+    hosts = HostSet(state)
+    return hosts if len(hosts.hosts) >= HOSTS else None
+
+
+def _pool(hosts, profile_dir: str):
+    from fsdp_interactive.pool import Pool
+    from tests.multihost.launchers import mpi_pool_kwargs
+
+    return Pool(
+        HOSTS * PER_HOST,
+        devices="cpu",
+        timeout=240,
+        show_topology=False,
+        **mpi_pool_kwargs(hosts, PER_HOST, profile_dir),
+    )
+
+
+def pool_start_seconds(hosts, profile_dir: str) -> float:
+    pool = _pool(hosts, profile_dir)
+    try:
+        began = time.perf_counter()
+        pool.start()
+        return time.perf_counter() - began
+    finally:
+        pool.stop()
+
+
+def torchrun_two_hosts(hosts, timeout: float = 180.0) -> Relaunch:
+    """One torchrun launcher per host, c10d rendezvous on the first host's address."""
+    head = hosts.hosts[0]
+    endpoint = f"{head.address}:{29400 + secrets.randbelow(500)}"
+    run_id = secrets.token_hex(4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_BACKEND="gloo")
+    start_wall = time.time()
+    began = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            hosts.enter_command(
+                host.name,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    f"--nnodes={HOSTS}",
+                    f"--nproc-per-node={PER_HOST}",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={endpoint}",
+                    f"--rdzv-id={run_id}",
+                    f"--node-rank={index}",
+                    str(NOOP_SCRIPT),
+                ],
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for index, host in enumerate(hosts.hosts[:HOSTS])
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(10)
+    total = time.perf_counter() - began
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{err[-3000:]}")
+    ready = [line for out, _ in outputs for line in out.splitlines() if line.startswith("READY ")]
+    if not ready:
+        raise RuntimeError("torchrun's rank 0 never printed READY")
+    return Relaunch(ready_s=float(ready[0].split()[1]) - start_wall, total_s=total)
+
+
+def run(settings: Settings) -> FigureResult:
+    """Pool.start() and Pool.run('pass') at 2 hosts x 2 ranks vs torchrun --nnodes 2."""
+    hosts = host_set()
+    if hosts is None:
+        return _measure(settings, None)
+    # mpiexec runs with this process's environment; it is restored afterwards.
+    saved = {key: os.environ.get(key) for key in hosts.mpi_env}
+    os.environ.update(hosts.mpi_env)
+    try:
+        return _measure(settings, hosts)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _measure(settings: Settings, hosts) -> FigureResult:
+    result = FigureResult("multihost", "Two hosts x two ranks (simulated hosts)")
+    unavailable = missing("fsdp_interactive.pool", "Pool") or (
+        None
+        if hosts is not None
+        else "needs the simulated hosts up and FSDPI_TESTHOSTS=DIR "
+        "(python -m tests.multihost.testhosts --state DIR up, as root)"
+    )
+    if unavailable:
+        result.error = unavailable
+        return result
+    reps = 1 if settings.quick else 5
+    profile_dir = str(Path(hosts.state_dir) / f"bench-profile-{os.getpid()}")
+    samples: dict[str, list[float]] = {POOL_START: [], TORCHRUN_READY: [], TORCHRUN_TOTAL: []}
+    for index in range(reps):
+        order = ["pool", "torchrun"] if index % 2 == 0 else ["torchrun", "pool"]
+        for name in order:
+            if name == "pool":
+                samples[POOL_START].append(pool_start_seconds(hosts, profile_dir))
+            else:
+                relaunch = torchrun_two_hosts(hosts)
+                samples[TORCHRUN_READY].append(relaunch.ready_s)
+                samples[TORCHRUN_TOTAL].append(relaunch.total_s)
+        print(f"round {index + 1}/{reps} done", file=sys.stderr, flush=True)
+    stats = {name: Stat(values, "s") for name, values in samples.items()}
+    pool = _pool(hosts, profile_dir)
+    try:
+        pool.start()
+        stats[POOL_RUN] = measure(
+            lambda: pool.run("pass", stream=False),
+            reps=settings.reps * 3,
+            warmup=settings.warmup,
+        )
+    finally:
+        pool.stop()
+    result.measurements.update(stats)
+    result.notes.append(
+        f"{reps} start sample(s) per contender, alternated; {settings.reps * 3} Pool.run "
+        "samples after warm-up. Both hosts are network namespaces of one 2-core machine "
+        "shared with other work: the figures compare, they do not predict a real cluster."
+    )
+    case = "2 hosts x 2 ranks"
+    for subject, reference, note, inverse in (
+        (POOL_START, TORCHRUN_READY, "start to a ready group", False),
+        (POOL_RUN, TORCHRUN_TOTAL, "how many times faster than a relaunch", True),
+    ):
+        result.comparisons.append(
+            Comparison(
+                figure=result.key,
+                case=case,
+                subject_name=subject,
+                reference_name=reference,
+                subject=stats[subject],
+                reference=stats[reference],
+                target=None,
+                inverse=inverse,
+                note=note,
+                paired=subject == POOL_START,
+            )
+        )
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(figure_main(run))
