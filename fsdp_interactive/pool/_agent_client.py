@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as readable_links
 from typing import Any
 
 from fsdp_interactive.pool import _agent_wire
@@ -177,7 +178,15 @@ class RankAgents:
         ``"prompt"`` (answer with :meth:`answer`) or ``"output"`` (only to be shown)."""
         found = []
         with self._lock:
+            # One zero-timeout select over every link: this runs between the polls of a
+            # waiting call, and a poll per link would cost one system call per rank each time.
+            try:
+                ready = set(readable_links(list(self._events.values()), timeout=0))
+            except (OSError, ValueError):  # a broken link: each is read below, and dropped
+                ready = set(self._events.values())
             for rank, conn in list(self._events.items()):
+                if conn not in ready:
+                    continue
                 try:
                     while conn.poll(0):
                         message = conn.recv()

@@ -7,14 +7,21 @@ shell (every ipyparallel engine is an IPython kernel); nothing in ``fsdp``,
 * :func:`join_pool`: start the diagnostics agent (:mod:`._rank_agent`) with the key
   derived from the engine's session key (the cluster's HMAC key, which the kernel has
   too; it never travels), then join the group (:func:`._rank_bootstrap.join_group`).
-* :func:`number_cell`: sent just before a notebook cell's code, on the same queue:
-  the engine runs that code as cell ``In[n]`` of the *notebook* (its tracebacks, the
-  agent's stacks and the debugger say ``Cell In[n]``, the number the notebook shows),
-  and an exception it raises is kept for ``%fsdp debug`` (:mod:`._rank_debugger`).
+* :func:`mark_cell` (called on the notebook side): the code of a notebook cell with a
+  first line naming its number, sent in the one execute request that carries the code.
+  An input transformer that :func:`join_pool` installs in the engine's shell takes
+  that line away before IPython compiles or numbers anything, and the engine runs the
+  rest as cell ``In[n]`` of the *notebook* (its tracebacks, the agent's stacks and
+  the debugger say ``Cell In[n]``, the number the notebook shows, and line numbers
+  are the cell's own); an exception it raises is kept for ``%fsdp debug``
+  (:mod:`._rank_debugger`). Code without that first line runs as the engine's own
+  next cell, and its exceptions are not kept. Were the transformer missing, the line
+  is a comment: the code still runs, one line lower.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -23,6 +30,9 @@ from fsdp_interactive.pool import _agent_wire, _rank_agent, _rank_bootstrap, _ra
 _numbered: set[int] = set()
 _next_is_notebook_cell = False
 _hooked = False
+
+_MARK = "# fsdp_interactive: notebook cell In[{number}]\n"
+_MARK_LINE = re.compile(r"# fsdp_interactive: notebook cell In\[(\d+)\]\r?\n?\Z")
 
 
 def _shell() -> Any:
@@ -74,19 +84,40 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def number_cell(number: int) -> None:
-    """The next code this engine runs is the notebook's cell ``number``."""
+def mark_cell(code: str, number: int) -> str:
+    """``code`` as an engine of the pool runs it as the notebook's cell ``number``.
+
+    Only the first line is added; nothing in ``code`` is changed or checked.
+    """
+    return _MARK.format(number=int(number)) + code
+
+
+def _take_cell_mark(lines: list[str]) -> list[str]:
+    """IPython input transformer (the first of the shell's cleanup transformers): a first
+    line written by :func:`mark_cell` is removed, and the cell being prepared is numbered.
+
+    A transformer is the one public hook that IPython runs before it takes the execution
+    count for the cell's name, its history and ``Out[n]``; the kernel transforms a cell
+    once or twice before running it, and numbering the same cell again changes nothing.
+    """
     global _next_is_notebook_cell
-    shell = _shell()
-    shell.execution_count = int(number)
-    _numbered.add(int(number))
+    mark = _MARK_LINE.match(lines[0]) if lines else None
+    if mark is None:
+        return lines
+    number = int(mark.group(1))
+    _shell().execution_count = number
+    _numbered.add(number)
     _next_is_notebook_cell = True
+    return lines[1:]
 
 
 def _install_hooks(shell: Any) -> None:
     global _hooked
     if not _hooked:
         shell.events.register("post_run_cell", _after_cell)
+        # First, so that IPython's own cleanup (leading blank lines, common indentation,
+        # pasted prompts) sees the cell's code as the notebook has it.
+        shell.input_transformers_cleanup.insert(0, _take_cell_mark)
         _hooked = True
 
 

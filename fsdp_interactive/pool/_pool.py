@@ -528,26 +528,18 @@ class Pool:
             raise ValueError(f"cell must be the notebook's execution count (an int), got {cell!r}")
         views = self._begin(targets, timeout)
         started = time.monotonic()
-        numbering = []
-        if cell is not None:
-            # On the same queue, just before the code: the engine runs it as this cell.
-            numbering = [
-                view.apply_async(_engine_shell.number_cell, cell) for view in views.values()
-            ]
-        handles = {r: view.execute(code, block=False, silent=False) for r, view in views.items()}
-        try:
-            return self._pending(
-                handles,
-                stream=stream,
-                on_output=on_output,
-                code=code,
-                cell=f"Cell In[{cell}]" if cell is not None else None,
-                native=native,
-                finish=lambda _: run_result(handles, time.monotonic() - started),
-            ).wait(timeout)
-        finally:
-            if numbering:
-                purge_results(self._client, numbering)
+        # The cell number travels in the code's own request: one message per rank.
+        sent = code if cell is None else _engine_shell.mark_cell(code, cell)
+        handles = {r: view.execute(sent, block=False, silent=False) for r, view in views.items()}
+        return self._pending(
+            handles,
+            stream=stream,
+            on_output=on_output,
+            code=code,
+            cell=f"Cell In[{cell}]" if cell is not None else None,
+            native=native,
+            finish=lambda _: run_result(handles, time.monotonic() - started),
+        ).wait(timeout)
 
     def call(
         self,

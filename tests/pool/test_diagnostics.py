@@ -94,6 +94,24 @@ def test_tracebacks_carry_the_notebook_cell_number_and_debug_reads_the_failing_f
         pool.debug(5)
 
 
+def test_a_numbered_cell_keeps_its_lines_and_code_without_a_number_keeps_no_failure(pool: Pool):
+    # IPython's own cleanup sees the cell as the notebook has it: the leading blank line
+    # goes and the common indentation is removed, exactly as for a notebook cell.
+    code = "\n    kept = 70 + rank\n    kept / 0\n"
+    with pytest.raises(RankError) as info:
+        pool.run(code, stream=False, cell=31)
+    assert "Cell In[31], line 2" in info.value.tracebacks[0]
+    assert pool.run("kept", stream=False, cell=32).results == {0: "70", 1: "71"}
+    with pytest.raises(RankError) as plain:
+        pool.run("dropped = 1\nraise KeyError('not a notebook cell')\n", stream=False)
+    assert "Cell In[31]" not in plain.value.tracebacks[0]
+    assert "line 2" in plain.value.tracebacks[0]
+    intro = pool.debug(0)
+    assert "ZeroDivisionError" in intro and "> Cell In[31](2)<module>()" in intro
+    assert pool.debug(0, "p kept").strip() == "70"
+    assert not pool.debug(0, "q").active
+
+
 def test_a_breakpoint_on_one_rank_takes_commands_and_the_others_wait(pool: Pool, monkeypatch):
     typed = io.StringIO("p step\nn\np step\nc\n")
     prompts: list[str] = []
