@@ -27,6 +27,10 @@ def received_metadata(handle: Any) -> dict[str, Any]:
     ``AsyncResult.metadata`` parses every timestamp field with dateutil on each access
     until all have arrived, which costs more than a short call's whole round trip; only
     the output fields are read here, so the received dict is used as it is.
+
+    ``AsyncResult._metadata`` is ipyparallel's private list of received dicts (checked on
+    ipyparallel 9.0 and 9.2.0); were it gone or shaped otherwise, the public
+    ``metadata`` is read instead.
     """
     received = getattr(handle, "_metadata", None)
     if isinstance(received, list) and len(received) == 1 and isinstance(received[0], dict):
