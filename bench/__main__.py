@@ -3,7 +3,8 @@
 Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
 ``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
 raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
-``--render-only`` (re-render the report from an existing ``benchmarks.json``),
+``--samples N`` (alternated samples per contender of the training-step figure, default
+12), ``--render-only`` (re-render the report from an existing ``benchmarks.json``),
 ``--gpu`` (the CUDA/NCCL figure, :mod:`bench.gpu`, merged into the report),
 ``--merge`` (with ``--only``: keep the other figures of ``OUT/benchmarks.json`` and
 replace only those measured now; each figure's section says when it was measured).
@@ -68,11 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the figures of OUT/benchmarks.json that this run does not measure",
     )
     parser.add_argument(
+        "--samples",
+        type=_positive,
+        default=None,
+        help="alternated samples per contender of the train_step figure (default 12)",
+    )
+    parser.add_argument(
         "--render-only",
         action="store_true",
         help="re-render the report from OUT/benchmarks.json without measuring",
     )
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--samples expects a positive integer, got {text!r}")
+    return value
 
 
 def _figure_list(text: str) -> tuple[str, ...]:
@@ -132,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         args.only, args.merge = ("gpu",), True
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    settings = Settings(quick=args.quick)
+    settings = Settings(quick=args.quick, samples=args.samples)
     info = RunInfo.collect(quick=args.quick, command=command.strip())
     figures = []
     for key in args.only:

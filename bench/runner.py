@@ -392,6 +392,9 @@ class Settings:
     """Sizes and repetition counts; :meth:`quick` is the CI smoke-test variant."""
 
     quick: bool = False
+    #: Alternated samples per contender of the training-step figure (``--samples``); more
+    #: samples narrow its intervals, the A/A control's included. ``None``: 12 (3 quick).
+    samples: int | None = None
 
     @property
     def reps(self) -> int:

@@ -115,7 +115,7 @@ def run(settings: Settings) -> FigureResult:
     steps = 3 if settings.quick else 5
     unavailable = missing("fsdp_interactive.fsdp", "FullyShardedDataParallel", "MixedPrecision")
     contenders = ["fsdp1", "fully_shard"] + ([] if unavailable else ["ours", "ours_again"])
-    reps = settings.reps if settings.quick else 12
+    reps = settings.samples or (settings.reps if settings.quick else 12)
     result.notes.append(
         f"Model: {size.blocks} residual MLP blocks of width {size.dim} "
         f"({size.parameters / 1e6:.2f} M parameters), batch {size.batch} per rank, "
