@@ -127,17 +127,11 @@ def run(settings: Settings) -> FigureResult:
     hosts = host_set()
     if hosts is None:
         return _measure(settings, None)
+    from tests.multihost.testhosts import environ_set
+
     # mpiexec runs with this process's environment; it is restored afterwards.
-    saved = {key: os.environ.get(key) for key in hosts.mpi_env}
-    os.environ.update(hosts.mpi_env)
-    try:
+    with environ_set(hosts.mpi_env):
         return _measure(settings, hosts)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _measure(settings: Settings, hosts) -> FigureResult:

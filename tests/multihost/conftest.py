@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool
-from tests.multihost.testhosts import HostSet, HostSetError, missing_tools
+from tests.multihost.testhosts import HostSet, HostSetError, environ_set, missing_tools
 
 REQUIRE_ENV = "FSDPI_REQUIRE_MULTIHOST"
 
@@ -58,21 +58,6 @@ def testhosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostSet]:
         yield hosts
     finally:
         hosts.down()
-
-
-@contextlib.contextmanager
-def environ_set(env: dict[str, str]) -> Iterator[None]:
-    """``env`` in ``os.environ`` for the block; each key's earlier value (or absence) after."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -758,6 +758,21 @@ def host_set(state: str | os.PathLike, n_hosts: int = 2, slurm: bool = True) -> 
 # ---------------------------------------------------------------------- helpers
 
 
+@contextlib.contextmanager
+def environ_set(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` for the block; each key's earlier value (or absence) after."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _ip(*args: str, check: bool = True) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
