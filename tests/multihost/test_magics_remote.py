@@ -14,6 +14,7 @@ import pytest
 
 from fsdp_interactive.pool import Pool, RankError
 from tests.multihost.launchers import ssh_pool_kwargs
+from tests.shell import shared_shell
 
 pytestmark = pytest.mark.multihost
 
@@ -21,9 +22,7 @@ pytestmark = pytest.mark.multihost
 @pytest.fixture(scope="module")
 def remote_shell(testhosts, tmp_path_factory) -> Iterator[Any]:
     """An IPython shell with the extension loaded and a pool on hosta and hostb."""
-    from IPython.testing.globalipapp import start_ipython
-
-    shell = start_ipython()
+    shell = shared_shell()
     shell.run_line_magic("load_ext", "fsdp_interactive")
     magics = shell.magics_manager.registry["FsdpMagics"]
     profile_dir = str(tmp_path_factory.mktemp("magics-profile"))

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from tests.shell import shared_shell
+
 
 @pytest.fixture(scope="session")
 def shell() -> Any:
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
+    ip = shared_shell()
     ip.run_line_magic("load_ext", "fsdp_interactive")
     return ip
 
