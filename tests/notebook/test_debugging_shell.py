@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.notebook.debugger_transcript import debugger_answers
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,17 +50,6 @@ SESSION = [
     "c",
     "%fsdp stop",
 ]
-
-
-def _debugger_answers(transcript: str) -> list[str]:
-    """What rank 1's debugger printed for ``p step``: the transcript without its prompts and
-    without the other ranks' streamed lines.
-
-    Stepping lets the other ranks run on, so rank 0's output may land anywhere between
-    rank 1's prompts (with piped stdin nothing echoes the typed command to separate them).
-    """
-    lines = (line.replace("(rank 1 Pdb) ", "").strip() for line in transcript.splitlines())
-    return [line for line in lines if line.isdigit()]
 
 
 @pytest.mark.timeout(400)
@@ -99,7 +90,7 @@ def test_a_terminal_ipython_session_debugs_a_hang_a_failure_and_a_breakpoint(tmp
     assert "\n42\n" in out
     # the breakpoint: rank 1 stopped, stepped, continued; the cell finished on both ranks
     assert "rank 1 stopped; the other ranks wait" in out
-    assert _debugger_answers(out.split("rank 1 stopped; the other ranks wait", 1)[1])[:2] == [
+    assert debugger_answers(out.split("rank 1 stopped; the other ranks wait", 1)[1], 1)[:2] == [
         "10",
         "11",
     ]
