@@ -20,12 +20,14 @@ multi-host pool needs beyond ``engines=`` today:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from traitlets.config import Config
 
+from fsdp_interactive.pool import Pool
 from tests.multihost.testhosts import HostSet
 
 #: ipyparallel's environment for engines, which mpiexec must forward to remote ranks.
@@ -105,3 +107,18 @@ def mpi_pool_kwargs(hosts: HostSet, per_host: int, profile_dir: str) -> dict[str
         "profile_dir": profile_dir,
         "config": Config({"MPILauncher": {"mpi_args": mpi_args(hosts, per_host)}}),
     }
+
+
+@contextlib.contextmanager
+def running_ssh_pool(
+    hosts: HostSet, per_host: int | Mapping[str, int], profile_dir: str
+) -> Iterator[Pool]:
+    """A started CPU pool of ssh engines as :func:`ssh_pool_kwargs` places them; stopped
+    when the block ends, also on failure."""
+    kwargs = ssh_pool_kwargs(hosts, per_host, profile_dir)
+    ranks = sum(kwargs["config"].SSHEngineSetLauncher.engines.values())
+    pool = Pool(ranks, devices="cpu", timeout=240, show_topology=False, **kwargs)
+    try:
+        yield pool.start()
+    finally:
+        pool.stop()

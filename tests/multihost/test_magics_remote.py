@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from fsdp_interactive.pool import Pool, RankError
-from tests.multihost.launchers import ssh_pool_kwargs
+from fsdp_interactive.pool import RankError
+from tests.multihost.launchers import running_ssh_pool
 from tests.shell import shared_shell
 
 pytestmark = pytest.mark.multihost
@@ -26,19 +26,12 @@ def remote_shell(testhosts, tmp_path_factory) -> Iterator[Any]:
     shell.run_line_magic("load_ext", "fsdp_interactive")
     magics = shell.magics_manager.registry["FsdpMagics"]
     profile_dir = str(tmp_path_factory.mktemp("magics-profile"))
-    pool = Pool(
-        2,
-        devices="cpu",
-        timeout=240,
-        show_topology=False,
-        **ssh_pool_kwargs(testhosts, 1, profile_dir),
-    )
-    try:
-        magics.pool = pool.start()
-        yield shell
-    finally:
-        magics.pool = None
-        pool.stop()
+    with running_ssh_pool(testhosts, 1, profile_dir) as pool:
+        magics.pool = pool
+        try:
+            yield shell
+        finally:
+            magics.pool = None
 
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])

@@ -16,7 +16,7 @@ import pytest
 
 from fsdp_interactive.pool import Pool
 from tests.multihost.conftest import left_on_hosts
-from tests.multihost.launchers import ssh_pool_kwargs
+from tests.multihost.launchers import running_ssh_pool
 from tests.multihost.testhosts import HostSet
 
 pytestmark = pytest.mark.multihost
@@ -27,17 +27,8 @@ PER_HOST = 1
 @pytest.fixture(scope="module")
 def ssh_pool(testhosts, tmp_path_factory) -> Iterator[Pool]:
     profile_dir = str(tmp_path_factory.mktemp("ssh-profile"))
-    pool = Pool(
-        2 * PER_HOST,
-        devices="cpu",
-        timeout=240,
-        show_topology=False,
-        **ssh_pool_kwargs(testhosts, PER_HOST, profile_dir),
-    )
-    try:
-        yield pool.start()
-    finally:
-        pool.stop()
+    with running_ssh_pool(testhosts, PER_HOST, profile_dir) as pool:
+        yield pool
 
 
 def test_topology_shows_each_ranks_host_and_local_rank(ssh_pool, testhosts):

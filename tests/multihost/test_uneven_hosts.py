@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from fsdp_interactive.pool import Pool, RankError
-from tests.multihost.launchers import ssh_pool_kwargs
+from tests.multihost.launchers import running_ssh_pool
 
 pytestmark = pytest.mark.multihost
 
@@ -26,17 +26,8 @@ WRAP = (
 @pytest.fixture(scope="module")
 def uneven_pool(testhosts, tmp_path_factory) -> Iterator[Pool]:
     profile_dir = str(tmp_path_factory.mktemp("uneven-profile"))
-    pool = Pool(
-        3,
-        devices="cpu",
-        timeout=240,
-        show_topology=False,
-        **ssh_pool_kwargs(testhosts, {"hosta": 2, "hostb": 1}, profile_dir),
-    )
-    try:
-        yield pool.start()
-    finally:
-        pool.stop()
+    with running_ssh_pool(testhosts, {"hosta": 2, "hostb": 1}, profile_dir) as pool:
+        yield pool
 
 
 def test_hybrid_shard_on_uneven_hosts_names_hosts_and_what_to_pass(uneven_pool):
