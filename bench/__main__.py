@@ -3,8 +3,8 @@
 Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
 ``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
 raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
-``--samples N`` (alternated samples per contender of the training-step figure, default
-12), ``--render-only`` (re-render the report from an existing ``benchmarks.json``),
+``--samples N`` (alternated one-step samples per contender of the training-step and
+recorder-cost figures, default 200), ``--render-only`` (re-render the report from an existing ``benchmarks.json``),
 ``--gpu`` (the CUDA/NCCL figure, :mod:`bench.gpu`, merged into the report),
 ``--merge`` (with ``--only``: keep the other figures of ``OUT/benchmarks.json`` and
 replace only those measured now; each figure's section says when it was measured).
@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--samples",
         type=_positive,
         default=None,
-        help="alternated samples per contender of the train_step figure (default 12)",
+        help="alternated one-step samples per contender of the train_step and grad_norm "
+        "figures (default 200, 6 with --quick)",
     )
     parser.add_argument(
         "--render-only",

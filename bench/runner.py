@@ -392,9 +392,15 @@ class Settings:
     """Sizes and repetition counts; :meth:`quick` is the CI smoke-test variant."""
 
     quick: bool = False
-    #: Alternated samples per contender of the training-step figure (``--samples``); more
-    #: samples narrow its intervals, the A/A control's included. ``None``: 12 (3 quick).
+    #: Alternated one-step samples per contender of the step-time figures (training
+    #: step, recorder cost; ``--samples``): more samples narrow their intervals, the A/A
+    #: control's included. ``None``: :attr:`step_samples`' default.
     samples: int | None = None
+
+    @property
+    def step_samples(self) -> int:
+        """Alternated one-step samples per contender: ``samples``, else 200 (6 quick)."""
+        return self.samples or (6 if self.quick else 200)
 
     @property
     def reps(self) -> int:

@@ -12,14 +12,18 @@ path is the default only on accelerators), and with fully_shard every parameter 
 DTensor, so each of the loop's tensor operations is one DTensor dispatch; ``foreach``
 makes that one dispatch per operation for all parameters, as it is by default on GPUs.
 
-Two measures per sample: wall time (steps/s between barriers on rank 0) and CPU time
-(steps per CPU second: the block's steps over the process CPU time, ``time.process_time``,
-summed over every rank, gloo's threads included).  On a shared machine the CPU time is
-what the other work disturbs least: time a rank spends waiting to be scheduled is not
-CPU time.  A second copy of ours ("ours, second copy") is an A/A control: two identical
-contenders, whose ratio is the noise floor of the run.  The contenders take turns within
-a round, the order rotating from round to round, and each ratio is the median of the
-per-round ratios with its 95% interval.
+Three measures per sample (see :mod:`bench.step_timing`): wall time (steps/s between
+barriers on rank 0), CPU time (steps per CPU second: the sample's steps over the process
+CPU time, ``time.process_time``, summed over every rank, gloo's threads included) and
+main-thread CPU time (the same with ``time.thread_time``: the forward, the backward and
+the optimizer without the collectives gloo's threads run).  On a shared machine the CPU
+clocks are what the other work disturbs least, as time spent waiting to be scheduled is
+not CPU time; the main thread's clock, which also leaves out gloo's threads waking and
+polling, varies least of all.  A sample is one step, the ranks are pinned one per core
+where there are enough cores, and a second copy of ours ("ours, second copy") is an A/A
+control: two identical contenders, whose ratio is the noise floor of the run.  The
+contenders take turns within a round, the order rotating from round to round, and each
+ratio is the median of the per-round ratios with its 95% interval.
 
 Targets: ours >= 1.0x FSDP1 and >= 0.97x fully_shard.
 """
@@ -29,15 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from bench.availability import missing
-from bench.models import (
-    WRAPPERS,
-    ModelSize,
-    batch_for,
-    build_model,
-    steps_per_second,
-    train_step,
-)
-from bench.ranks import run_on_ranks
+from bench.models import WRAPPERS, ModelSize, batch_for, build_model, train_step
+from bench.ranks import cores_for_pinning, run_on_ranks
 from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main
 
 # case name -> (dtype name, AdamW keyword arguments)
@@ -60,23 +57,23 @@ def model_size(settings: Settings) -> ModelSize:
     return ModelSize(dim=256, blocks=4, batch=32)
 
 
-def _timed_block(model: Any, optim: Any, batch: Any, steps: int) -> tuple[float, float]:
-    """(wall steps/s on this rank, this rank's process CPU seconds) of one block of steps."""
-    import time
-
-    cpu = time.process_time()
-    rate = steps_per_second(model, optim, batch, steps)
-    return rate, time.process_time() - cpu
+MEASURES = {
+    "": ("wall", "steps/s"),
+    ", CPU time": ("process_cpu", "steps/CPU-s"),
+    ", main-thread CPU time": ("thread_cpu", "steps/CPU-s"),
+}
 
 
 def _rank_train(
     contenders: list[str], size: ModelSize, steps: int, reps: int, warmup: int
 ) -> dict[str, dict[str, Any]]:
-    """Per case: wall steps/s and CPU seconds per block of every contender, first-step loss."""
+    """Per case: every contender's samples (:class:`StepTimes` as dicts), first-step loss."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
-    from bench.runner import rotated
+    from bench.step_timing import alternate, timed_steps
 
     rank = dist.get_rank()
     batch = batch_for(size, rank)
@@ -88,22 +85,17 @@ def _rank_train(
             model = WRAPPERS[name.removesuffix("_again")](build_model(size), dtype)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3, **optim_kwargs)
             setups[name] = (model, optim)
-
-        def block(name: str, setups: dict[str, Any] = setups) -> tuple[float, float]:
-            return _timed_block(*setups[name], batch, steps)
-
         first_loss = {name: train_step(*setups[name], batch) for name in contenders}
-        for _ in range(warmup):
-            for name in contenders:
-                block(name)
-        rates: dict[str, list[float]] = {name: [] for name in contenders}
-        cpu: dict[str, list[float]] = {name: [] for name in contenders}
-        for index in range(reps):
-            for name in rotated(contenders, index):
-                rate, seconds = block(name)
-                rates[name].append(rate)
-                cpu[name].append(seconds)
-        out[case] = {"rates": rates, "cpu": cpu, "first_loss": first_loss}
+        samples = alternate(
+            contenders,
+            lambda name, setups=setups: timed_steps(*setups[name], batch, steps),
+            reps=reps,
+            warmup=warmup,
+        )
+        out[case] = {
+            "samples": {n: [dataclasses.asdict(t) for t in ts] for n, ts in samples.items()},
+            "first_loss": first_loss,
+        }
         del setups
     return out
 
@@ -112,48 +104,56 @@ def run(settings: Settings) -> FigureResult:
     """Training step: steps/s of ours vs torch FSDP1 vs fully_shard by hand."""
     result = FigureResult("train_step", "Training step (steps/s, FULL_SHARD, AdamW)")
     size = model_size(settings)
-    steps = 3 if settings.quick else 5
+    steps = 1
     unavailable = missing("fsdp_interactive.fsdp", "FullyShardedDataParallel", "MixedPrecision")
     contenders = ["fsdp1", "fully_shard"] + ([] if unavailable else ["ours", "ours_again"])
-    reps = settings.samples or (settings.reps if settings.quick else 12)
+    reps = settings.step_samples
+    # 2 ranks only: on this 2-core machine, more ranks than cores time the scheduler more
+    # than the step.
+    world = 2
+    pinned = cores_for_pinning(world)
     result.notes.append(
         f"Model: {size.blocks} residual MLP blocks of width {size.dim} "
         f"({size.parameters / 1e6:.2f} M parameters), batch {size.batch} per rank, "
-        f"one FSDP unit per block; a sample is {steps} steps between barriers; {reps} "
-        "alternated samples per contender."
+        f"one FSDP unit per block; a sample is {steps} step between barriers; {reps} "
+        "alternated samples per contender; "
+        + (f"ranks pinned to logical CPUs {pinned}." if pinned else "ranks not pinned.")
     )
-    # 2 ranks only: on this 2-core machine, more ranks than cores time the scheduler more
-    # than the step, and 12 alternated samples at 4 ranks take over half an hour.
-    for world in (2,):
-        # 12 alternated samples of 4 contenders in 3 cases: on a loaded 2-core machine
-        # that takes well over the default 10 minutes.
-        per_rank = run_on_ranks(
-            world, _rank_train, contenders, size, steps, reps, settings.warmup, timeout=2400
-        )
-        for case_name in CASES:
-            case = f"{world} ranks, {case_name}"
-            out = per_rank[0][case_name]
-            walls = {name: Stat(rates, "steps/s") for name, rates in out["rates"].items()}
-            # Steps per CPU second of the whole group: the block's steps over the CPU
-            # seconds all ranks spent on it.
-            cpus = {
-                name: Stat(
-                    [
-                        steps / sum(rank[case_name]["cpu"][name][i] for rank in per_rank)
-                        for i in range(reps)
-                    ],
-                    "steps/CPU-s",
-                )
+    per_rank = run_on_ranks(
+        world,
+        _rank_train,
+        contenders,
+        size,
+        steps,
+        reps,
+        settings.warmup,
+        timeout=2400,
+        pin_cores=True,
+    )
+    for case_name in CASES:
+        case = f"{world} ranks, {case_name}"
+        for measure, (clock, unit) in MEASURES.items():
+            stats = {
+                name: Stat(_rates(per_rank, case_name, name, clock, steps), unit)
                 for name in contenders
             }
             for name in contenders:
-                result.measurements[f"{case}: {LABELS[name]}"] = walls[name]
-                result.measurements[f"{case}, CPU time: {LABELS[name]}"] = cpus[name]
-            losses = ", ".join(f"{LABELS[n]} {v:.6f}" for n, v in out["first_loss"].items())
-            result.notes.append(f"{case}: first-step loss on rank 0: {losses}.")
-            for measure, stats in (("", walls), (", CPU time", cpus)):
-                result.comparisons += _comparisons(result.key, case + measure, stats, unavailable)
+                result.measurements[f"{case}{measure}: {LABELS[name]}"] = stats[name]
+            result.comparisons += _comparisons(result.key, case + measure, stats, unavailable)
+        out = per_rank[0][case_name]
+        losses = ", ".join(f"{LABELS[n]} {v:.6f}" for n, v in out["first_loss"].items())
+        result.notes.append(f"{case}: first-step loss on rank 0: {losses}.")
     return result
+
+
+def _rates(
+    per_rank: list[dict[str, Any]], case: str, name: str, clock: str, steps: int
+) -> list[float]:
+    """Steps per second of each sample: rank 0's wall clock, or all ranks' CPU summed."""
+    samples = [rank[case]["samples"][name] for rank in per_rank]
+    if clock == "wall":
+        return [steps / sample["wall"] for sample in samples[0]]
+    return [steps / sum(rank[i][clock] for rank in samples) for i in range(len(samples[0]))]
 
 
 def _comparisons(
