@@ -40,8 +40,22 @@ import sys
 import traceback
 from typing import Any
 
-#: Modules imported once here so that no forked engine pays for them.
-PRELOAD = ("torch", "torch.distributed", "ipyparallel.engine.app")
+#: Modules imported once here so that no forked engine pays for them: torch, the engine
+#: and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
+#: a process), and what every rank imports while it joins the group (the package's rank
+#: side reads torch's FSDP and DTensor modules, about 0.7 CPU-s a process, mostly sympy).
+#: Each of these is otherwise paid N times at once on the start's critical path. None of
+#: them starts a thread or installs a trace function on import (checked on torch 2.13.0,
+#: ipykernel 7.x).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "ipyparallel.engine.app",
+    "ipykernel.debugger",
+    "fsdp_interactive._torch_compat",
+    "fsdp_interactive.pool._engine_shell",
+)
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
