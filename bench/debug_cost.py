@@ -6,10 +6,13 @@ What the pool sets on its ranks is set here the same way, in the ranks' environm
 before the process group forms: ``TORCH_FR_BUFFER_SIZE`` (0: off; 64: the pool's
 default; 2000: torch's own default when the variable is unset) and
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``Pool(check_collectives=True)``). Each setting needs
-fresh processes, so a sample is a fresh group: the settings take turns, round after
-round, so that machine noise hits them alike; within a group, ``reps`` blocks of
-``steps`` steps between barriers are timed on rank 0 after warm-up blocks. Each group
-also reports how many entries its recorder holds, which shows the setting took effect.
+fresh processes, so a sample is a fresh group, its ranks pinned one per core: the
+settings take turns, the order rotating from round to round, so that machine noise hits
+them alike; within a group, one-step samples are timed after warm-up steps
+(:func:`bench.step_timing.timed_steps`) and the group's sample is their median, by the
+wall clock of rank 0 and by the process CPU time of all ranks.  Each ratio is the median
+of the per-round ratios.  Each group also reports how many entries its recorder holds,
+which shows the setting took effect.
 
 A second measurement isolates what the recorder adds to each collective: the time of
 one tiny ``all_reduce`` (many in a row) with the recorder off and on, and the number of
@@ -25,9 +28,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.models import batch_for, build_model, steps_per_second, train_step, wrap_ours
+from bench.models import batch_for, build_model, train_step, wrap_ours
 from bench.ranks import run_on_ranks
-from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main
+from bench.runner import Comparison, FigureResult, Settings, Stat, Target, figure_main, rotated
 from bench.train_step import model_size
 
 SETTINGS: dict[str, dict[str, str]] = {
@@ -40,25 +43,35 @@ SETTINGS: dict[str, dict[str, str]] = {
     },
 }
 REFERENCE = "recorder off"
+# measure's suffix of a case -> unit: rank 0's wall clock, all ranks' process CPU time
+MEASURES = {"": "steps/s", ", CPU time": "steps/CPU-s"}
 
 
-def _rank_steps(size: Any, steps: int, reps: int, warmup: int) -> dict[str, Any]:
-    """Steps/s of ``reps`` blocks (rank 0's clock) and the recorder's entry count."""
+def _rank_steps(size: Any, reps: int, warmup: int) -> dict[str, Any]:
+    """This rank's median step seconds (wall, process CPU) and the recorder's entry count."""
     import pickle
+    import statistics
 
     import torch
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
+
+    from bench.step_timing import timed_steps
 
     model = wrap_ours(build_model(size), torch.float32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = batch_for(size, dist.get_rank())
 
     for _ in range(warmup):
-        steps_per_second(model, optim, batch, steps)
-    rates = [steps_per_second(model, optim, batch, steps) for _ in range(reps)]
+        timed_steps(model, optim, batch, 1)
+    times = [timed_steps(model, optim, batch, 1) for _ in range(reps)]
     entries = len(pickle.loads(c10d._dump_fr_trace(True, False, False)).get("entries", []))
-    return {"rates": rates, "entries": entries, "debug": str(dist.get_debug_level())}
+    return {
+        "wall": statistics.median(t.wall for t in times),
+        "cpu": statistics.median(t.process_cpu for t in times),
+        "entries": entries,
+        "debug": str(dist.get_debug_level()),
+    }
 
 
 def _rank_collective_time(count: int, reps: int) -> dict[str, Any]:
@@ -108,25 +121,31 @@ def run(settings: Settings) -> FigureResult:
     """Debugging aids' cost: steps/s with the flight recorder and strict collectives."""
     result = FigureResult("debug_cost", "Cost of the flight recorder and strict collectives")
     size = model_size(settings)
-    steps = 3 if settings.quick else 5
-    rounds = 2 if settings.quick else 8
+    steps = 1
+    reps = 3 if settings.quick else 30
+    warmup = settings.warmup * 5
+    rounds = 2 if settings.quick else 12
     world = 2
     result.notes.append(
         f"{world} ranks, {size.blocks} blocks of width {size.dim}, batch {size.batch}; "
-        f"{rounds} rounds, each a fresh group per setting ({settings.warmup} warm-up blocks, "
-        f"{settings.reps} timed blocks of {steps} steps)."
+        f"{rounds} rounds, each a fresh group per setting ({warmup} warm-up steps, the "
+        f"median of {reps} one-step samples)."
     )
-    samples: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    rates: dict[str, dict[str, list[float]]] = {
+        measure: {n: [] for n in SETTINGS} for measure in MEASURES
+    }
     seen: dict[str, set[tuple[int, str]]] = {name: set() for name in SETTINGS}
-    for _ in range(rounds):
-        for name, env in SETTINGS.items():
-            out = run_on_ranks(
-                world, _rank_steps, size, steps, settings.reps, settings.warmup, env=env
-            )[0]
-            samples[name] += out["rates"]
-            seen[name].add((out["entries"], out["debug"]))
-    for name, stat in ((n, Stat(v, "steps/s")) for n, v in samples.items()):
-        result.measurements[f"{world} ranks: {name}"] = stat
+    for index in range(rounds):
+        for name in rotated(list(SETTINGS), index):
+            per_rank = run_on_ranks(
+                world, _rank_steps, size, reps, warmup, env=SETTINGS[name], pin_cores=True
+            )
+            rates[""][name].append(steps / per_rank[0]["wall"])
+            rates[", CPU time"][name].append(steps / sum(rank["cpu"] for rank in per_rank))
+            seen[name].add((per_rank[0]["entries"], per_rank[0]["debug"]))
+    for measure, unit in MEASURES.items():
+        for name, values in rates[measure].items():
+            result.measurements[f"{world} ranks{measure}: {name}"] = Stat(values, unit)
     for name, states in seen.items():
         described = ", ".join(
             f"{entries} recorder entries, debug level {d}" for entries, d in sorted(states)
@@ -144,17 +163,18 @@ def run(settings: Settings) -> FigureResult:
                 count,
                 settings.reps,
                 env={"TORCH_FR_BUFFER_SIZE": size_env},
+                pin_cores=True,
             )[0]
             per_collective[name].append(out["seconds"] * 1e6)
     per_step = run_on_ranks(
-        world, _rank_collectives_per_step, size, steps, env={"TORCH_FR_BUFFER_SIZE": "2000"}
+        world, _rank_collectives_per_step, size, 5, env={"TORCH_FR_BUFFER_SIZE": "2000"}
     )[0]["per_step"]
     for name, values in per_collective.items():
         result.measurements[f"{world} ranks: tiny all_reduce, {name}"] = Stat(values, "us")
     on_us = Stat(per_collective["recorder on (64)"], "us")
     off_us = Stat(per_collective["recorder off"], "us")
     added_us = on_us.median - off_us.median
-    step_us = 1e6 / Stat(samples[REFERENCE], "steps/s").median
+    step_us = 1e6 / Stat(rates[""][REFERENCE], "steps/s").median
     if on_us.min <= off_us.max and off_us.min <= on_us.max:
         share = (
             f"the samples overlap (off {off_us.min:.0f}..{off_us.max:.0f} us, on "
@@ -171,25 +191,27 @@ def run(settings: Settings) -> FigureResult:
         f"{on_us.median:.0f} us with it on (medians); {share}. A training step issues "
         f"{per_step:.0f} collectives and takes {step_us / 1e3:.1f} ms."
     )
-    off = Stat(samples[REFERENCE], "steps/s")
-    for name in SETTINGS:
-        if name == REFERENCE:
-            continue
-        pool_default = name.startswith("recorder, 64")
-        result.comparisons.append(
-            Comparison(
-                figure=result.key,
-                case=f"{world} ranks",
-                subject_name=name,
-                reference_name=REFERENCE,
-                subject=Stat(samples[name], "steps/s"),
-                reference=off,
-                target=Target(">=", 0.99) if pool_default else None,
-                note=""
-                if pool_default
-                else "shown for comparison; only the pool's default has a target",
+    for measure, unit in MEASURES.items():
+        off = Stat(rates[measure][REFERENCE], unit)
+        for name in SETTINGS:
+            if name == REFERENCE:
+                continue
+            pool_default = name.startswith("recorder, 64")
+            result.comparisons.append(
+                Comparison(
+                    figure=result.key,
+                    case=f"{world} ranks{measure}",
+                    subject_name=name,
+                    reference_name=REFERENCE,
+                    subject=Stat(rates[measure][name], unit),
+                    reference=off,
+                    target=Target(">=", 0.99) if pool_default else None,
+                    note=""
+                    if pool_default
+                    else "shown for comparison; only the pool's default has a target",
+                    paired=True,
+                )
             )
-        )
     return result
 
 
