@@ -172,52 +172,49 @@ def run(settings: Settings) -> FigureResult:
         case = f"{world} rank{'s' if world > 1 else ''}"
         for name, stat in stats.items():
             result.measurements[f"{case}: {name}"] = stat
+        compare = _comparer(result, case, stats)
         for name, reference in ((POOL, RAW), (MAGIC, PX), (MAGIC_PRINT, PX_PRINT)):
-            result.comparisons.append(
-                Comparison(
-                    figure=result.key,
-                    case=case,
-                    subject_name=name,
-                    reference_name=reference,
-                    subject=stats.get(name),
-                    reference=stats[reference],
-                    target=DISPATCH_TARGET,
-                    unavailable=magic_missing,
-                    paired=True,
-                )
-            )
+            compare(name, reference, target=DISPATCH_TARGET, unavailable=magic_missing, paired=True)
         for name in (MAGIC, PX):
-            result.comparisons.append(
-                Comparison(
-                    figure=result.key,
-                    case=case,
-                    subject_name=name,
-                    reference_name=RAW,
-                    subject=stats.get(name),
-                    reference=stats[RAW],
-                    target=None,
-                    unavailable=magic_missing if name == MAGIC else None,
-                    note="no target: what a cell magic adds to a bare call",
-                    paired=True,
-                )
+            compare(
+                name,
+                RAW,
+                target=None,
+                unavailable=magic_missing if name == MAGIC else None,
+                note="no target: what a cell magic adds to a bare call",
+                paired=True,
             )
         for name in (POOL, MAGIC):
-            result.comparisons.append(
-                Comparison(
-                    figure=result.key,
-                    case=case,
-                    subject_name=name,
-                    reference_name=TORCHRUN,
-                    subject=stats.get(name),
-                    reference=stats[TORCHRUN],
-                    target=Target(">=", 500),
-                    inverse=True,
-                    unavailable=magic_missing,
-                    note="ratio = how many times faster than a relaunch",
-                )
+            compare(
+                name,
+                TORCHRUN,
+                target=Target(">=", 500),
+                inverse=True,
+                unavailable=magic_missing,
+                note="ratio = how many times faster than a relaunch",
             )
     result.curves += _curves(result.key, per_world)
     return result
+
+
+def _comparer(result: FigureResult, case: str, stats: dict[str, Stat]) -> Callable[..., None]:
+    """``compare(subject, reference, **options)``: add that comparison of ``stats`` to
+    ``result`` for ``case`` (``options``: :class:`Comparison`'s target, note, ...)."""
+
+    def compare(name: str, reference: str, **options: Any) -> None:
+        result.comparisons.append(
+            Comparison(
+                figure=result.key,
+                case=case,
+                subject_name=name,
+                reference_name=reference,
+                subject=stats.get(name),
+                reference=stats[reference],
+                **options,
+            )
+        )
+
+    return compare
 
 
 def _curves(key: str, per_world: dict[int, dict[str, Stat]]) -> list[Curve]:
