@@ -13,6 +13,10 @@ this entry the pool starts the engines together with the controller (forked from
 2. hand the document to the engine as ``$IPP_CONNECTION_INFO`` (as ``Cluster`` does when
    it starts engines after the controller) and run ipyparallel's engine application
    with ``ARGS``.
+
+Forked with a nanny (the forker's ``"nanny"`` requests, :mod:`._forked_nanny`), the engine
+hands that ready-made nanny its arguments at registration instead of starting one; it
+starts ipyparallel's own should that nanny be missing or fail.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from fsdp_interactive.pool._forked_nanny import NannyPipes
 
 _POLL_S = 0.02
 
@@ -91,15 +97,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.wait <= 0:
         print(f"--wait must be a positive number of seconds, got {args.wait}", file=sys.stderr)
         return 2
+    nanny = NannyPipes.from_environment()
     try:
         os.environ["IPP_CONNECTION_INFO"] = read_connection_info(args.connection_file, args.wait)
     except TimeoutError as exc:
+        if nanny is not None:
+            nanny.discard()
         print(f"engine not started: {exc}", file=sys.stderr, flush=True)
         return 1
-    from ipyparallel.engine.app import IPEngine
-
-    IPEngine.launch_instance(argv=engine_args)
+    engine = _engine_class()
+    engine.forked_nanny = nanny
+    engine.launch_instance(argv=engine_args)
     return 0
+
+
+def _engine_class() -> Any:
+    """ipyparallel's ``IPEngine``, handing its nanny's arguments to a forked nanny."""
+    from ipyparallel.engine.app import IPEngine
+    from traitlets.config import Config
+
+    class IPEngineWithForkedNanny(IPEngine):
+        #: The pipes to the nanny forked with this engine; taken by the first ``start_nanny``.
+        forked_nanny: NannyPipes | None = None
+
+        def start_nanny(self, control_url: str) -> tuple[str, Any]:
+            nanny, type(self).forked_nanny = type(self).forked_nanny, None
+            if nanny is None:
+                return super().start_nanny(control_url)
+            config = Config()
+            config.Session = self.config.Session
+            # The keyword arguments ipyparallel's own IPEngine.start_nanny passes
+            # (ipyparallel 9.2.0); a nanny that refuses them is replaced by its own.
+            try:
+                url, pipe = nanny.hand_over(
+                    engine_id=self.id,
+                    identity=self.bident,
+                    control_url=control_url,
+                    curve_serverkey=self.curve_serverkey,
+                    curve_secretkey=self.curve_secretkey,
+                    curve_publickey=self.curve_publickey,
+                    registration_url=self.registration_url,
+                    config=config,
+                )
+            except RuntimeError as exc:
+                self.log.warning("%s; starting ipyparallel's own nanny", exc)
+                return super().start_nanny(control_url)
+            self.log.info("the nanny forked with this engine serves %s", url)
+            return url, pipe
+
+    return IPEngineWithForkedNanny
 
 
 if __name__ == "__main__":

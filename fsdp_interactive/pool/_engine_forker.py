@@ -11,11 +11,15 @@ Protocol (one JSON object per line):
   child that runs ``argv`` as ``python -m MODULE ARGS`` would (``argv`` must have that
   shape: ``[python, "-m", MODULE, *ARGS]``), in its own session, with stdin from
   ``/dev/null``, stdout and stderr appended to ``FILE``, exactly the environment ``env``
-  and working directory ``DIR``;
-* reply ``{"token": T, "pid": P}``, or ``{"token": T, "error": "..."}`` when the request is
-  malformed or the fork failed;
+  and working directory ``DIR``. With ``"nanny": true`` the child is an ipyparallel
+  engine: the forker also forks the engine's nanny, ready-made, in its own session with
+  its output in ``FILE`` too, and the engine finds its ends of the pipes to it in
+  ``$FSDPI_NANNY_FDS`` (:mod:`._forked_nanny`);
+* reply ``{"token": T, "pid": P}`` (and ``"nanny_pid"`` with a nanny), or
+  ``{"token": T, "error": "..."}`` when the request is malformed or the fork failed;
 * event ``{"exited": P, "exit_code": C}`` when child ``P`` ends (``C`` negative: killed by
-  signal ``-C``), as ``subprocess`` reports it.
+  signal ``-C``), as ``subprocess`` reports it. A nanny's end is not reported: it ends
+  after its engine, whose end is.
 
 The forker writes nothing else on stdout; its own diagnostics go to stderr. It exits
 when its stdin closes (its owner stopped it or died); children still running then are
@@ -38,10 +42,13 @@ import selectors
 import signal
 import sys
 import traceback
+from collections.abc import Callable, Iterable
 from typing import Any
 
-#: Modules imported once here so that no forked engine pays for them: torch, the engine
-#: and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
+from fsdp_interactive.pool import _forked_nanny
+
+#: Modules imported once here so that no forked engine pays for them: torch, the engine,
+#: its nanny, and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
 #: a process), and what every rank imports while it joins the group (the package's rank
 #: side reads torch's FSDP and DTensor modules, about 0.7 CPU-s a process, mostly sympy).
 #: Each of these is otherwise paid N times at once on the start's critical path. None of
@@ -52,6 +59,7 @@ PRELOAD = (
     "torch.distributed",
     "torch.distributed.fsdp",
     "ipyparallel.engine.app",
+    "ipyparallel.engine.nanny",
     "ipykernel.debugger",
     "fsdp_interactive._torch_compat",
     "fsdp_interactive.pool._engine_shell",
@@ -75,6 +83,8 @@ def check_request(request: Any) -> tuple[str, list[str], dict[str, str], str, st
         raise ValueError(f"a request must be a JSON object, got {type(request).__name__}")
     argv, env = request.get("argv"), request.get("env")
     cwd, output = request.get("cwd"), request.get("output")
+    if not isinstance(request.get("nanny", False), bool):
+        raise ValueError("nanny must be true or false")
     if (
         not isinstance(argv, list)
         or len(argv) < 3
@@ -91,8 +101,9 @@ def check_request(request: Any) -> tuple[str, list[str], dict[str, str], str, st
     return argv[2], argv[3:], env, cwd, output
 
 
-def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, output: str) -> int:
-    """In the forked child: become a fresh ``python -m module args`` process; its status."""
+def _become_own_process(output: str) -> None:
+    """In a forked child: its own session, stdin from ``/dev/null``, stdout and stderr
+    appended to ``output``; SIGINT back to the interpreter's handler (the forker ignores it)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -101,8 +112,11 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, outp
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
-    # The forker ignores SIGINT; every other disposition is still the interpreter's own.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str) -> int:
+    """In the forked child: become a fresh ``python -m module args`` process; its status."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -110,6 +124,9 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, outp
     if numpy is not None:
         numpy.random.seed()
     sys.argv = [module, *args]
+    # A module the forker imported (the pool's own modules are) runs afresh as __main__,
+    # as in a new interpreter, instead of beside its imported copy (runpy warns of that).
+    sys.modules.pop(module, None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -126,12 +143,12 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, outp
     return 0
 
 
-def _fork(request: Any, inherited: list[int]) -> int:
-    """Fork one child for ``request``; its pid (in the parent). Never returns in the child.
+def _fork(body: Callable[[], int], output: str, close: Iterable[int]) -> int:
+    """Fork a child that runs ``body()`` as its own process (see :func:`_become_own_process`)
+    and exits with its status; the child's pid (in the parent). Never returns in the child.
 
-    ``inherited``: descriptors of the forker the child must not keep (0-2 are replaced).
+    ``close``: descriptors of the forker the child must not keep (0-2 are replaced).
     """
-    module, args, env, cwd, output = check_request(request)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -139,10 +156,11 @@ def _fork(request: Any, inherited: list[int]) -> int:
         return pid
     status = 1
     try:
-        for fd in inherited:
+        for fd in close:
             if fd > 2:
                 os.close(fd)
-        status = _run_child(module, args, env, cwd, output)
+        _become_own_process(output)
+        status = body()
     except BaseException:
         traceback.print_exc()
     finally:
@@ -152,6 +170,34 @@ def _fork(request: Any, inherited: list[int]) -> int:
         finally:
             os._exit(status & 0xFF if status >= 0 else 1)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def fork_request(request: Any, inherited: list[int]) -> tuple[int, int | None]:
+    """Fork what ``request`` asks for; ``(the child's pid, its nanny's pid or None)``.
+
+    ``inherited``: descriptors of the forker no child may keep.
+    """
+    module, args, env, cwd, output = check_request(request)
+    if not request.get("nanny", False):
+        return _fork(lambda: _run_module(module, args, env, cwd), output, inherited), None
+    pipes = _forked_nanny.make_pipes()
+    try:
+        args_w, url_r = pipes.engine_ends()
+        engine_env = dict(env, **{_forked_nanny.FDS_ENV: f"{args_w},{url_r}"})
+        engine = _fork(
+            lambda: _run_module(module, args, engine_env, cwd),
+            output,
+            [*inherited, *pipes.nanny_ends()],
+        )
+        nanny = _fork(
+            lambda: _forked_nanny.run_nanny(*pipes.nanny_ends()),
+            output,
+            [*inherited, *pipes.engine_ends()],
+        )
+    finally:
+        for fd in pipes.all():
+            os.close(fd)
+    return engine, nanny
 
 
 def serve(requests_fd: int, replies_fd: int) -> None:
@@ -168,17 +214,24 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 
     selector = selectors.DefaultSelector()
     selector.register(requests_fd, selectors.EVENT_READ, None)
-    children: dict[int, int] = {}  # pidfd -> pid
+    children: dict[int, tuple[int, bool]] = {}  # pidfd -> (pid, reported when it ends)
+
+    def watch(pid: int, report: bool) -> None:
+        pidfd = os.pidfd_open(pid)
+        children[pidfd] = (pid, report)
+        selector.register(pidfd, selectors.EVENT_READ, pid)
+
     pending = b""
     while True:
         for key, _ in selector.select():
             if key.data is not None:
-                pidfd, pid = key.fd, key.data
+                pidfd = key.fd
+                pid, report = children.pop(pidfd)
                 _, status = os.waitpid(pid, 0)
                 selector.unregister(pidfd)
                 os.close(pidfd)
-                del children[pidfd]
-                send({"exited": pid, "exit_code": os.waitstatus_to_exitcode(status)})
+                if report:
+                    send({"exited": pid, "exit_code": os.waitstatus_to_exitcode(status)})
                 continue
             chunk = os.read(requests_fd, 65536)
             if not chunk:
@@ -194,14 +247,16 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                     request = json.loads(line)
                     token = request.get("token") if isinstance(request, dict) else None
                     inherited = [requests_fd, replies_fd, selector.fileno(), *children]
-                    pid = _fork(request, inherited)
+                    pid, nanny_pid = fork_request(request, inherited)
                 except (ValueError, OSError) as exc:
                     send({"token": token, "error": str(exc)})
                     continue
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = pid
-                selector.register(pidfd, selectors.EVENT_READ, pid)
-                send({"token": token, "pid": pid})
+                watch(pid, report=True)
+                reply: dict[str, Any] = {"token": token, "pid": pid}
+                if nanny_pid is not None:
+                    watch(nanny_pid, report=False)
+                    reply["nanny_pid"] = nanny_pid
+                send(reply)
 
 
 def main() -> int:
@@ -213,4 +268,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    # Nothing is left to clean up (replies are written unbuffered, children are not
+    # ours to end): skip the interpreter's finalization, which takes about a second
+    # with torch imported and would hold up every pool's stop().
+    sys.stderr.flush()
+    os._exit(status)

@@ -87,8 +87,14 @@ class EngineForker:
     def running(self) -> bool:
         return self._proc.poll() is None
 
-    async def fork(self, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
-        """Start ``argv`` (``[python, "-m", module, ...]``) as a forked child; its pid."""
+    async def fork(
+        self, argv: list[str], env: dict[str, str], cwd: str, output: str, *, nanny: bool = False
+    ) -> int:
+        """Start ``argv`` (``[python, "-m", module, ...]``) as a forked child; its pid.
+
+        ``nanny``: the child is an ipyparallel engine; fork its nanny with it (see
+        :mod:`._forked_nanny`).
+        """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         token = str(next(self._tokens))
@@ -96,7 +102,10 @@ class EngineForker:
             if self._gone:
                 raise ForkerError(self._gone_message())
             self._pending[token] = (loop, future)
-        line = json.dumps({"token": token, "argv": argv, "env": env, "cwd": cwd, "output": output})
+        request = {"token": token, "argv": argv, "env": env, "cwd": cwd, "output": output}
+        if nanny:
+            request["nanny"] = True
+        line = json.dumps(request)
         # A full pipe (the forker is still importing) must not block the event loop.
         await loop.run_in_executor(None, self._send, line)
         return await future
@@ -203,7 +212,7 @@ class ForkedEngineLauncher(LocalEngineLauncher):
         self._exited_event = threading.Event()
         try:
             pid = await forker.fork(
-                list(self.args), env, os.path.abspath(self.work_dir), self.output_file
+                list(self.args), env, os.path.abspath(self.work_dir), self.output_file, nanny=True
             )
         except BaseException:
             self._exited_event = None  # never started: nothing to wait for

@@ -2,8 +2,8 @@
 
 ``python -m tests.pool.forker_child CODE`` prints one JSON line (pid, session, working
 directory, one environment variable, argv, whether torch is already imported, what stdin
-holds, a numpy random draw, signal dispositions) and exits with status ``CODE``; ``sleep`` instead of a code
-waits to be killed.
+holds, a numpy random draw, signal dispositions, the nanny pipes it was given) and exits
+with status ``CODE``; ``sleep`` instead of a code waits to be killed.
 """
 
 from __future__ import annotations
@@ -15,9 +15,19 @@ import sys
 import time
 
 
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def main() -> int:
     import numpy
 
+    nanny_fds = os.environ.get("FSDPI_NANNY_FDS")
+    fds = [int(fd) for fd in nanny_fds.split(",")] if nanny_fds else []
     report = {
         "pid": os.getpid(),
         "sid": os.getsid(0),
@@ -30,6 +40,8 @@ def main() -> int:
         "draw": float(numpy.random.rand()),
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+        "nanny_fds": fds,
+        "nanny_fds_open": [_open(fd) for fd in fds],
     }
     print(json.dumps(report), flush=True)
     if sys.argv[1:] == ["sleep"]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsdp_interactive.pool._engine_forker import check_request
 from fsdp_interactive.pool._forked_launcher import EngineForker, ForkerError
 
 CHILD = [sys.executable, "-m", "tests.pool.forker_child"]
@@ -34,12 +35,21 @@ def forker(tmp_path_factory: pytest.TempPathFactory):
 class Child:
     """One forked child: its pid, exit code (once ended) and printed report."""
 
-    def __init__(self, forker: EngineForker, args: list[str], output: Path, cwd: Path):
+    def __init__(
+        self,
+        forker: EngineForker,
+        args: list[str],
+        output: Path,
+        cwd: Path,
+        nanny: bool = False,
+    ):
         self.output = output
         self.exited = threading.Event()
         self.exit_code: int | None = None
         env = dict(os.environ, FORKER_TEST_MARKER=f"marker-{output.name}")
-        self.pid = asyncio.run(forker.fork([*CHILD, *args], env, str(cwd), str(output)))
+        self.pid = asyncio.run(
+            forker.fork([*CHILD, *args], env, str(cwd), str(output), nanny=nanny)
+        )
         forker.on_exit(self.pid, self._ended)
 
     def _ended(self, code: int | None) -> None:
@@ -76,6 +86,28 @@ def test_a_forked_child_runs_the_module_like_a_fresh_process(forker, tmp_path):
     assert report["torch_preloaded"] is True
     # signal dispositions of a fresh interpreter: Ctrl-C raises, SIGPIPE is ignored
     assert report["sigint_raises"] and report["sigpipe_ignored"]
+    assert report["nanny_fds"] == []  # no nanny asked for
+
+
+def test_an_engine_request_forks_a_nanny_that_ends_quietly_when_left_unused(forker, tmp_path):
+    """The nanny waits, in its own session, on pipes only the child holds the other ends
+    of; a child that ends without handing it arguments takes the nanny with it."""
+    log = tmp_path / "child.log"
+    child = Child(forker, ["sleep"], log, tmp_path, nanny=True)
+    report = child.report()
+    assert len(report["nanny_fds"]) == 2 and report["nanny_fds_open"] == [True, True]
+    (nanny,) = [p for p in psutil.Process(forker.pid).children() if p.pid != child.pid]
+    assert nanny.ppid() == forker.pid and os.getsid(nanny.pid) == nanny.pid
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    end = time.monotonic() + 30
+    while psutil.pid_exists(nanny.pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(nanny.pid)  # ended, and reaped by the forker
+    assert "Traceback" not in log.read_text()
+    # Later children inherit none of those pipes.
+    plain = Child(forker, ["0"], tmp_path / "plain.log", tmp_path)
+    assert plain.wait() == 0 and plain.report()["nanny_fds"] == []
 
 
 def test_a_child_killed_by_a_signal_reports_the_negative_signal(forker, tmp_path):
@@ -108,6 +140,9 @@ def test_a_malformed_request_is_refused_and_the_forker_keeps_serving(forker, tmp
         asyncio.run(forker.fork([sys.executable, "-c", "pass"], {}, str(tmp_path), "x.log"))
     with pytest.raises(ForkerError, match="cwd and output must be strings"):
         asyncio.run(forker.fork(CHILD, {}, str(tmp_path), ""))
+    request = {"argv": CHILD, "env": {}, "cwd": str(tmp_path), "output": "x.log", "nanny": 1}
+    with pytest.raises(ValueError, match="nanny must be true or false"):
+        check_request(request)
     child = Child(forker, ["0"], tmp_path / "child.log", tmp_path)
     assert child.wait() == 0
 
