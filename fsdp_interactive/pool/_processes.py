@@ -59,14 +59,16 @@ _REAP_GRACE_S = 10.0
 BROKEN_STOP_TIMEOUT_S = 15.0
 
 # Results are never fetched again from the controller: it need not keep them. The
-# controller completes an engine's registration at its next heartbeat, so start-up waits
-# on the heartbeat period: 0.3 s. Allowing 100 missed beats (30 s) keeps a busy engine
-# from being declared dead by the heart monitor; an engine's death is reported by its
-# nanny at once anyway.
+# controller completes an engine's registration at the first heartbeat after the
+# engine's heart answered one, so start-up waits one to two heartbeat periods: 0.1 s
+# each (a ping every 0.1 s is one small message per engine, answered by the engine's
+# heart thread outside the interpreter). Allowing 300 missed beats (30 s) keeps a busy
+# engine from being declared dead by the heart monitor; an engine's death is reported
+# by its nanny at once anyway.
 _CONTROLLER_ARGS = [
     "--nodb",
-    "--HeartMonitor.period=300",
-    "--HeartMonitor.max_heartmonitor_misses=100",
+    "--HeartMonitor.period=100",
+    "--HeartMonitor.max_heartmonitor_misses=300",
 ]
 
 
@@ -253,6 +255,8 @@ class LaunchedProcesses:
         async def start() -> None:
             began = time.monotonic()
             self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
+            # The forker's imports are the longest step: it starts first.
+            forker = self._running_forker() if forked else None
             await self.cluster.start_controller()
             log.debug("controller up in %.2fs", time.monotonic() - began)
             began = time.monotonic()
@@ -260,7 +264,7 @@ class LaunchedProcesses:
             if forked:
                 connection_file = self.cluster.controller.connection_files["engine"]
                 engine_kwargs["engine_cmd"] = engine_command(connection_file, timeout)
-                engine_kwargs["forker"] = self._running_forker()
+                engine_kwargs["forker"] = forker
             await self.cluster.start_engines(n, **engine_kwargs)
             how = f"forked from pid {self._forker.pid}" if forked else f"launcher {engines!r}"
             log.debug("%d engines started (%s) in %.2fs", n, how, time.monotonic() - began)

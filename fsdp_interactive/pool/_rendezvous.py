@@ -51,7 +51,7 @@ from fsdp_interactive.pool.errors import PoolStartError
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_REGISTRATION_POLL_S = 0.1
+_REGISTRATION_POLL_S = 0.02
 
 NAMESPACE_SETUP = """\
 import torch
@@ -269,7 +269,11 @@ class Rendezvous:
                     raise PoolStartError(f"timed out after {self._timeout:g}s while {what}")
                 if self._exited():
                     raise PoolStartError(f"an engine process exited while {what}")
-                time.sleep(_POLL_S)
+                # Returns as soon as that call completes; the checks above run again
+                # at least every _POLL_S.
+                pending = next((h for h in handles.values() if not h.ready()), None)
+                if pending is not None:
+                    pending.wait(_POLL_S)
             if pump is not None:
                 for handle in handles.values():
                     handle.wait_for_output(_POLL_S)
