@@ -149,7 +149,7 @@ def run(settings: Settings) -> FigureResult:
     """Cell dispatch: round trip of ours vs raw ipyparallel vs a torchrun relaunch."""
     result = FigureResult("dispatch", "Cell dispatch (round trip of a cell on every rank)")
     magic_missing = missing("fsdp_interactive.pool", "Pool") or magic_unavailable()
-    round_trips = 30 if settings.quick else 100
+    round_trips = 30 if settings.quick else 200
     print_trips = 10 if settings.quick else 30
     relaunches = 1 if settings.quick else 3
     worlds = settings.scaling_worlds

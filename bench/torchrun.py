@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 NOOP_SCRIPT = Path(__file__).resolve().parent / "scripts" / "noop_rank.py"
+FSDP_READY_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_ready_rank.py"
 WAIT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "wait_rank.py"
 
 
