@@ -57,19 +57,52 @@ def _state_bytes(model: Any, optim: Any) -> int:
     return total
 
 
-def _rank_checkpoint(
-    root: str, size: ModelSize, contenders: list[str], ours_wrapper: str, reps: int, warmup: int
-) -> dict[str, Any]:
+def sharded_state(model: Any, optim: Any) -> dict[str, Any]:
+    """The model's and its optimizer's sharded state dicts, as raw DCP saves them."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+
+def torch_save_from_rank0(path: Path, model: Any, optim: Any, *, durable: bool = True) -> None:
+    """Gather full state dicts to rank 0's CPU and ``torch.save`` them to ``path/state.pt``.
+
+    Every rank must call it (the gather is a collective); only rank 0 creates ``path`` and
+    writes.  ``durable``: flush and fsync the file before returning, as DCP's writer does.
+    """
     import os
 
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, optim, options=options),
+    }
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True)
+        with open(path / "state.pt", "wb") as f:
+            torch.save(state, f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def _rank_checkpoint(
+    root: str, size: ModelSize, contenders: list[str], ours_wrapper: str, reps: int, warmup: int
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank()
     batch = batch_for(size, rank)
@@ -89,28 +122,11 @@ def _rank_checkpoint(
     def fresh_path() -> Path:
         return Path(root) / f"sample-{next(counter)}"
 
-    def sharded_state() -> dict[str, Any]:
-        return {
-            "model": get_model_state_dict(base_model),
-            "optim": get_optimizer_state_dict(base_model, base_optim),
-        }
-
     def torch_save(path: Path, durable: bool = True) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {
-            "model": get_model_state_dict(base_model, options=options),
-            "optim": get_optimizer_state_dict(base_model, base_optim, options=options),
-        }
-        if rank == 0:
-            path.mkdir(parents=True)
-            with open(path / "state.pt", "wb") as f:
-                torch.save(state, f)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+        torch_save_from_rank0(path, base_model, base_optim, durable=durable)
 
     def dcp_save(path: Path) -> None:
-        dcp.save(sharded_state(), checkpoint_id=str(path))
+        dcp.save(sharded_state(base_model, base_optim), checkpoint_id=str(path))
 
     def ours_save(path: Path) -> None:
         from fsdp_interactive.checkpoint import save
@@ -124,7 +140,11 @@ def _rank_checkpoint(
 
     def dcp_async(path: Path) -> None:
         pending.append(
-            dcp.async_save(sharded_state(), checkpoint_id=str(path), process_group=async_group)
+            dcp.async_save(
+                sharded_state(base_model, base_optim),
+                checkpoint_id=str(path),
+                process_group=async_group,
+            )
         )
 
     def ours_async(path: Path) -> None:

@@ -26,10 +26,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from bench.availability import missing
+from bench.checkpoint import DCP, TORCH_SAVE, _state_bytes, sharded_state, torch_save_from_rank0
 from bench.memory import _rank_memory
 from bench.models import WRAPPERS, ModelSize, batch_for, build_model, train_step
 from bench.ranks import run_on_ranks
@@ -37,8 +39,6 @@ from bench.runner import Comparison, Curve, FigureResult, Settings, Stat, Target
 
 SAVE = "checkpoint.save (ours)"
 LOAD = "checkpoint.load (ours, verified)"
-TORCH_SAVE = "torch.save of a full state dict from rank 0, fsynced"
-DCP = "raw DCP save"
 HELD = "largest rank's params+grads+optimizer (ours)"
 IDEAL = "full model / N"
 META = "meta-init peak RSS increase (ours)"
@@ -47,18 +47,10 @@ FULL = "full model parameters"
 
 def _rank_checkpoint_io(root: str, size: ModelSize, reps: int) -> dict[str, Any]:
     """Seconds per sample of ours' save and load and of torch.save from rank 0."""
-    import os
-
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
 
-    from bench.checkpoint import _state_bytes
     from bench.runner import rotated
     from fsdp_interactive.checkpoint import load, save
 
@@ -81,25 +73,11 @@ def _rank_checkpoint_io(root: str, size: ModelSize, reps: int) -> dict[str, Any]
         load(saved[-1], model, optim)
 
     def dcp_save() -> None:
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optim),
-        }
-        dcp.save(state, checkpoint_id=str(fresh()))
+        dcp.save(sharded_state(model, optim), checkpoint_id=str(fresh()))
 
     def torch_save() -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {
-            "model": get_model_state_dict(model, options=options),
-            "optim": get_optimizer_state_dict(model, optim, options=options),
-        }
-        path = fresh()  # on every rank: the ranks' counters must stay equal
-        if rank == 0:
-            path.mkdir(parents=True)
-            with open(path / "state.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+        # fresh() on every rank: the ranks' counters must stay equal.
+        torch_save_from_rank0(fresh(), model, optim)
 
     actions = {SAVE: ours_save, LOAD: ours_load, TORCH_SAVE: torch_save, DCP: dcp_save}
 
@@ -193,8 +171,9 @@ def run(settings: Settings) -> FigureResult:
     jobs = [(size, world) for size in models]
     middle = models[len(models) // 2]
     jobs += [(middle, w) for w in ckpt_worlds if w != world]
-    by_size: dict[str, dict[float, Stat]] = {SAVE: {}, LOAD: {}, TORCH_SAVE: {}, DCP: {}}
-    by_world: dict[str, dict[float, Stat]] = {SAVE: {}, LOAD: {}, TORCH_SAVE: {}, DCP: {}}
+    # Contender -> {x: throughput}, in the order the ranks report their contenders.
+    by_size: defaultdict[str, dict[float, Stat]] = defaultdict(dict)
+    by_world: defaultdict[str, dict[float, Stat]] = defaultdict(dict)
     for size, ranks in jobs:
         root = tempfile.mkdtemp(prefix="fsdpi-bench-scaling-")
         try:
