@@ -41,6 +41,14 @@ def _interrupt_this_process() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def _assert_ctrl_c_raises_here() -> None:
+    """The tests below press Ctrl-C on this process; if something earlier in the session
+    replaced Python's SIGINT handler, say so now instead of waiting for a KeyboardInterrupt
+    that never comes."""
+    handler = signal.getsignal(signal.SIGINT)
+    assert handler is signal.default_int_handler, f"SIGINT handler of the test process: {handler!r}"
+
+
 def _arrive(marker_dir: Path) -> str:
     return f"import os\nopen(os.path.join({str(marker_dir)!r}, f'arrived{{rank}}'), 'w').close()\n"
 
@@ -102,6 +110,7 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
 
     # Keep waiting, then "press Ctrl-C": SIGINT goes to both ranks; rank 1 stops,
     # rank 0 stays blocked inside the collective and the pool says to restart.
+    _assert_ctrl_c_raises_here()
     timer = threading.Timer(1.0, _interrupt_this_process)
     timer.start()
     with pytest.raises(RankInterrupted) as interrupted:
@@ -119,6 +128,7 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
 def test_ctrl_c_interrupts_a_long_loop_and_the_pool_stays_usable(pool: Pool, marker_dir: Path):
     code = _arrive(marker_dir) + "import time\nfor step in range(100000):\n    time.sleep(0.05)\n"
     paths = [marker_dir / f"arrived{r}" for r in (0, 1)]
+    _assert_ctrl_c_raises_here()
     _when_files_exist(paths, _interrupt_this_process)
     started = time.monotonic()
     with pytest.raises(RankInterrupted) as info:
