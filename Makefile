@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any torch in the range pyproject.toml allows.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint clean bench bench-gpu setup-torch test-torch
+.PHONY: setup demo test lint clean bench bench-gpu gpu-check setup-torch test-torch
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -58,6 +58,13 @@ bench: setup
 bench-gpu: setup
 	$(PY) -m bench --gpu $(BENCH_ARGS)
 	$(PY) -m pytest -m cuda -q
+
+# One CUDA GPU (an H100 or H200), a few minutes: the NCCL pool, FSDP on CUDA, checkpoints,
+# the single-GPU bench figures and the CUDA-marked tests, one PASS/FAIL/SKIP line per
+# check (bench/gpu_check.py). Without a GPU: says so and runs the checks that need none
+# on CPU ranks (CI runs that dry run). GPU_CHECK_ARGS='--device 3' picks the device.
+gpu-check: setup
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache

@@ -13,7 +13,9 @@ visible device (up to 8):
   (targets >= 1.0x FSDP1, >= 0.97x fully_shard); each contender's model FLOP utilisation
   (MFU: ``6 x parameters x rows`` per step over the step's time, divided by the peak a
   large bf16 matmul reaches on the same device, measured first) and its peak memory per
-  device (``torch.cuda.max_memory_allocated``).
+  device (``torch.cuda.max_memory_allocated`` while it builds and trains with no other
+  contender's model on the GPU: each is measured alone and freed before the next; the
+  alternated timing runs after).
 
 On a machine without two CUDA devices the figure fails with a message saying so.
 """
@@ -102,6 +104,32 @@ def _matmul_peak_flops() -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def _peak_memory_alone(name: str, size: ModelSize, batch: Any, steps: int) -> float:
+    """Peak bytes allocated on this rank's GPU while ``name`` builds its model and trains
+    ``steps`` steps, with no other contender's model on the GPU (each is freed before the
+    next is built, and the peak statistics are reset in between)."""
+    import gc
+
+    import torch
+
+    from bench.models import train_step
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = _wrap(name, build_model(size))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for _ in range(steps):
+        train_step(model, optim, batch)
+    torch.cuda.synchronize()
+    peak = float(torch.cuda.max_memory_allocated())
+    del model, optim
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
 def _rank_train(size: ModelSize, steps: int, reps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -111,16 +139,17 @@ def _rank_train(size: ModelSize, steps: int, reps: int) -> dict[str, Any]:
     rank = dist.get_rank()
     peak = _matmul_peak_flops()
     batch = batch_for(size, rank).cuda()
+    # Memory first, one contender at a time: with all three models resident, every peak
+    # would include the other two.
+    memory = {name: _peak_memory_alone(name, size, batch, steps) for name in LABELS}
     setups = {}
     for name in LABELS:
         model = _wrap(name, build_model(size))
         setups[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
         train_step(*setups[name], batch)
-    memory = {}
     rates: dict[str, list[float]] = {name: [] for name in LABELS}
     for index in range(reps):
         for name in rotated(list(LABELS), index):
-            torch.cuda.reset_peak_memory_stats()
             dist.barrier()
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -129,7 +158,6 @@ def _rank_train(size: ModelSize, steps: int, reps: int) -> dict[str, Any]:
             torch.cuda.synchronize()
             dist.barrier()
             rates[name].append(steps / (time.perf_counter() - start))
-            memory[name] = float(torch.cuda.max_memory_allocated())
     return {"rates": rates, "memory": memory, "peak_flops": peak}
 
 

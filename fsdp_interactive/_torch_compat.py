@@ -97,6 +97,20 @@ def flight_recorder_dump() -> Callable[[bool, bool, bool], bytes] | None:
     return getattr(c10d, "_dump_fr_trace", None)
 
 
+def collective_device_type(group: Any = None) -> str:
+    """The device type torch itself picks for collectives of objects on ``group`` (``None``:
+    the default group): ``distributed_c10d._get_object_coll_device``.
+
+    One backend (``"gloo"``, ``"nccl"``): its device type; several (``"cpu:gloo,cuda:nccl"``):
+    ``"cpu"`` if one of them is CPU, else the first; none registered yet: ``"cpu"``. So a
+    group that can communicate CPU tensors answers ``"cpu"``, an NCCL-only group ``"cuda"``.
+    checked: 2.9.1, 2.13.0, 2.14.1 (the same rule on each)
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_object_coll_device(group)
+
+
 # ---------------------------------------------------------------------------- nn.Module
 
 #: ``torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX``: the state-dict key of
@@ -451,3 +465,69 @@ def set_optimizer_state_dict(
         param = params_by_key.get(key)
         if param is not None:
             optimizer.state.pop(param, None)
+
+
+# ---------------------------------------------------------------------------- NCCL
+
+
+def nccl_flight_recorder_dump() -> Callable[..., bytes] | None:
+    """``torch._C._distributed_c10d._dump_nccl_trace``: NCCL's own flight recorder, pickled.
+
+    ProcessGroupNCCL records into a recorder of its own (``FlightRecorderCUDA``, with
+    CUDA events that tell whether each collective completed on the GPU), which
+    :func:`flight_recorder_dump` (the generic recorder gloo uses) does not see. Called as
+    ``(include_collectives, include_stack_traces, only_active)``; the bytes unpickle to a
+    dict with ``"entries"`` and ``"pg_status"`` laid out as the generic recorder's, and
+    ``"nccl_comm_state"``. ``None`` on a torch built without NCCL (CPU builds, macOS).
+    checked: 2.9.1, 2.14.1 (PyPI's CUDA builds: present, three optional keyword flags
+    ``includeCollectives``, ``includeStackTraces``, ``onlyActive``); 2.13.0 CPU build:
+    absent; sources: 2.13 (``ProcessGroupNCCL.cpp`` ``dump_nccl_trace`` dumps
+    ``FlightRecorderCUDA``)
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    c10d = importlib.import_module("torch._C._distributed_c10d")
+    return getattr(c10d, "_dump_nccl_trace", None)
+
+
+def extend_nccl_timeouts(seconds: float) -> None:
+    """Give every NCCL process group of this rank ``seconds`` more before its watchdog
+    times out a collective: those in flight now and those issued until the first one
+    issued after this call completes (``distributed_c10d._add_ephemeral_timeout_for_all_pgs``,
+    ``ProcessGroupNCCL._add_ephemeral_timeout``). Extensions add up. A no-op for groups
+    of other backends (gloo has no watchdog that ends the process) and on a torch
+    without NCCL.
+    checked: 2.9.1, 2.13.0 (CPU build: the function exists, no NCCL group to extend),
+    2.14.1; sources: 2.13 (``ProcessGroupNCCL::assignTimeoutToWork``, the watchdog's
+    ``checkTimeout(opTimeout_ + ephemeralTimeoutActive_)``)
+    """
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    if seconds <= 0:
+        return
+    distributed_c10d._add_ephemeral_timeout_for_all_pgs(timedelta(seconds=float(seconds)))
+
+
+def cuda_device_count_without_init() -> int | None:
+    """CUDA devices this process would see, counted through NVML without initialising
+    CUDA (no ``cuInit``, so ``CUDA_VISIBLE_DEVICES`` may still be changed afterwards):
+    ``torch.cuda._device_count_nvml`` (honours ``CUDA_VISIBLE_DEVICES``, indices and
+    UUIDs). ``0`` on a torch without CUDA; ``None`` when NVML cannot tell (no NVML
+    library, MIG devices, a ROCm build): the caller must count another way.
+    checked: 2.9.1, 2.13.0, 2.14.1 (returns a negative number when NVML fails)
+    """
+    import torch.cuda
+
+    if getattr(torch.version, "hip", None):
+        return None  # ROCm counts through amdsmi, which this entry does not read
+    if torch.version.cuda is None:
+        return 0
+    try:
+        count = int(torch.cuda._device_count_nvml())
+    except Exception:
+        return None
+    return count if count >= 0 else None

@@ -15,7 +15,9 @@ On every rank of the group:
 ``mode="sync"`` runs all four in the calling thread. ``mode="async"`` runs 1-2 and DCP's
 staging (a copy of the state into CPU memory) in the calling thread, and the rest of 3
 and 4 in a background thread over a gloo group of its own, so the training's
-collectives on the default group are never interleaved with the checkpoint's.
+collectives on the default group are never interleaved with the checkpoint's. State on
+CUDA is staged into pinned buffers kept for the next save, CPU state into pageable
+copies freed after the save (:func:`stager_for`).
 
 Arguments are checked and the state captured before anything is created on disk, so
 bad input leaves nothing behind. A failure or crash after planning leaves the dot-named
@@ -44,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._torch_compat import local_tensor
 from fsdp_interactive.checkpoint import _layout, _manifest, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT, SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
@@ -253,7 +256,8 @@ def _write(state: dict[str, Any], plan: SavePlan, ranks: Ranks) -> None:
 
 
 def _copying_stager() -> Any:
-    """The stager ``dcp.async_save`` uses when it is given no writer: one copy per tensor.
+    """The stager ``dcp.async_save`` uses when it is given no writer: one copy per tensor,
+    into pageable memory allocated for this save.
 
     Given a ``FileSystemWriter``, ``async_save`` stages through the writer instead, which
     deep-copies every CPU DTensor and then copies it once more (about three times the
@@ -273,16 +277,76 @@ def _copying_stager() -> Any:
     )
 
 
+_PINNED_STAGER: Any = None
+
+
+def _pinned_stager() -> Any:
+    """This process's stager for state held on CUDA: pinned CPU buffers, kept and reused by
+    every later save (what DCP's own default staging does: ``DefaultStager`` with
+    ``use_pinned_memory`` caches one pinned copy per source storage,
+    ``torch/distributed/checkpoint/_state_dict_stager.py``), filled with non-blocking copies.
+
+    Reuse is safe because one save per process runs at a time (a new save waits until the
+    previous one has written everything it staged). A buffer lives as long as the tensor
+    storage it copies (the cache holds its sources weakly).
+    """
+    global _PINNED_STAGER
+    if _PINNED_STAGER is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        _PINNED_STAGER = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=True,
+            )
+        )
+    return _PINNED_STAGER
+
+
+def holds_cuda_tensors(state: Any) -> bool:
+    """Whether any tensor in ``state`` (a DTensor by its local shard) is on a CUDA device."""
+    found = False
+
+    def look(t: torch.Tensor) -> torch.Tensor:
+        nonlocal found
+        found = found or local_tensor(t).device.type == "cuda"
+        return t
+
+    _fqn_state.map_tensors(state, look)
+    return found
+
+
+def stager_for(state: dict[str, Any]) -> tuple[Any, bool]:
+    """(stager, kept): the pinned, reused stager when ``state`` holds CUDA tensors (pinned
+    host memory makes the device-to-host copies fast, and pinning is paid once), else a
+    fresh pageable one for this save only (pinning CPU-resident state would copy as much
+    and create a CUDA context on CPU ranks). ``kept``: the stager outlives the save."""
+    if holds_cuda_tensors(state):
+        try:
+            return _pinned_stager(), True
+        except ImportError:  # pragma: no cover - torch without the default stager
+            return None, False
+    return _copying_stager(), False
+
+
 @dataclass
 class _Upload:
     future: Future
     stager: Any
+    kept: bool
     started: float
+
+    def release(self) -> None:
+        """Free a stager made for this save only (a kept one keeps its buffers)."""
+        if self.stager is not None and not self.kept:
+            self.stager.close()
 
 
 def _stage(state: dict[str, Any], plan: SavePlan, side: Ranks) -> _Upload:
     started = time.monotonic()
-    stager = _copying_stager()
+    stager, kept = stager_for(state)
     try:
         with single_process_quietly():
             future = dcp.async_save(
@@ -293,15 +357,16 @@ def _stage(state: dict[str, Any], plan: SavePlan, side: Ranks) -> _Upload:
                 **({"async_stager": stager} if stager is not None else {}),
             )
     except Exception as exc:
-        if stager is not None:
+        if stager is not None and not kept:
             stager.close()
         raise CheckpointError(f"staging checkpoint {plan.final} failed: {exc}") from exc
     logger.info(
-        "rank %d staged its shards in %.3fs; writing continues in the background",
+        "rank %d staged its shards in %.3fs (%s); writing continues in the background",
         side.rank,
         time.monotonic() - started,
+        "pinned, reused buffers" if kept else "pageable copies",
     )
-    return _Upload(future, stager, time.monotonic())
+    return _Upload(future, stager, kept, time.monotonic())
 
 
 def _await_upload(upload: _Upload, plan: SavePlan, side: Ranks) -> None:
@@ -310,8 +375,7 @@ def _await_upload(upload: _Upload, plan: SavePlan, side: Ranks) -> None:
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"writing checkpoint data to {plan.partial} failed: {exc}") from exc
     finally:
-        if upload.stager is not None:
-            upload.stager.close()
+        upload.release()
     logger.info(
         "rank %d wrote its shards in %.3fs (background)",
         side.rank,

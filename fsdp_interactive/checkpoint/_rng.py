@@ -56,15 +56,21 @@ def derived_seed(saved_state: Any, rank: int) -> int:
 class RNGState:
     """This process's random number generators, saved and restored per rank.
 
-    ``state_dict()`` holds the torch CPU generator (``torch.get_rng_state()``), every CUDA
-    device's generator (``torch.cuda.get_rng_state_all()``; by default only when CUDA is
-    already initialised in this process, so that saving never initialises it; ``cuda=True``
-    always, ``cuda=False`` never), Python's ``random`` (``python=True``) and NumPy's legacy
-    global generator (``numpy``: by default when NumPy is installed). Generators owned by
-    other objects (a ``torch.Generator`` given to a DataLoader) are not included.
+    ``state_dict()`` holds the torch CPU generator (``torch.get_rng_state()``), the generator
+    of this rank's own CUDA device, the current one (``"cuda_device"``; by default only when
+    CUDA is already initialised in this process, so that saving never initialises it;
+    ``cuda=True`` always, ``cuda=False`` never), Python's ``random`` (``python=True``) and
+    NumPy's legacy global generator (``numpy``: by default when NumPy is installed).
+    Generators owned by other objects (a ``torch.Generator`` given to a DataLoader) and the
+    generators of the host's other GPUs (other ranks' devices, saved by those ranks) are not
+    included.
 
-    ``load_state_dict`` sets the generators the state holds. Saved CUDA states go to the
-    devices of the same index that exist here; on a process without CUDA they are skipped.
+    ``load_state_dict`` sets the generators the state holds; the saved CUDA state goes to
+    this rank's current device, whatever its index was at save time (a rank that sees its
+    GPU under another index after a restart, e.g. through ``CUDA_VISIBLE_DEVICES``, keeps
+    its stream). On a process without CUDA it is skipped. States saved by earlier versions
+    (``"cuda"``: every device's generator by index) restore the entry of the current
+    device's index only.
 
     Resharding (``reshard_state``, used when the world size changed), for rank ``r`` of
     the new world with ``N`` saved states:
@@ -96,7 +102,7 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"torch": torch.get_rng_state()}
         if self._with_cuda():
-            state["cuda"] = list(torch.cuda.get_rng_state_all())
+            state["cuda_device"] = torch.cuda.get_rng_state("cuda")  # the current device
         if self.python:
             state["python"] = random.getstate()
         if self.numpy:
@@ -115,8 +121,11 @@ class RNGState:
             self._seed(int(state_dict["seed"]))
             return
         torch.set_rng_state(state_dict["torch"])
-        if "cuda" in state_dict and self.cuda is not False:
-            self._set_cuda(state_dict["cuda"])
+        if self.cuda is not False:
+            if "cuda_device" in state_dict:
+                self._set_cuda(state_dict["cuda_device"], None)
+            elif "cuda" in state_dict:
+                self._set_cuda(None, state_dict["cuda"])
         if "python" in state_dict and self.python:
             version, internal, gauss = state_dict["python"]
             random.setstate((version, tuple(internal), gauss))
@@ -129,15 +138,22 @@ class RNGState:
             )
 
     @staticmethod
-    def _set_cuda(states: Sequence[torch.Tensor]) -> None:
+    def _set_cuda(own: torch.Tensor | None, by_index: Sequence[torch.Tensor] | None) -> None:
+        """Set the current CUDA device's generator: to ``own``, or to its index's entry of
+        ``by_index`` (the format that saved every device). No other device is touched."""
         if not torch.cuda.is_available():
-            logger.info("no CUDA here: the %d saved CUDA generator states are skipped", len(states))
+            logger.info("no CUDA here: the saved CUDA generator state is skipped")
             return
-        count = torch.cuda.device_count()
-        for index, state in enumerate(states[:count]):
-            torch.cuda.set_rng_state(state, device=index)
-        if len(states) > count:
-            logger.info("%d saved CUDA generator states, %d devices here", len(states), count)
+        if own is not None:
+            # "cuda": the current device, also when CUDA initialises only later (torch defers).
+            torch.cuda.set_rng_state(own, "cuda")
+            return
+        assert by_index is not None
+        index = torch.cuda.current_device()
+        if index >= len(by_index):
+            logger.info("%d saved CUDA generator states, none for device %d", len(by_index), index)
+            return
+        torch.cuda.set_rng_state(by_index[index], index)
 
     def _seed(self, seed: int) -> None:
         torch.manual_seed(seed)

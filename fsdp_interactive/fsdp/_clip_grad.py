@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_interactive._torch_compat import local_tensor
+from fsdp_interactive.fsdp._comm_device import comm_device
 from fsdp_interactive.fsdp._unit_state import require_state
 
 
@@ -78,7 +79,9 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> 
                 group = mesh.get_group(dim)
                 if dist.get_world_size(group) > 1:
                     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-                    dist.all_reduce(part, op=op, group=group)
+                    sent = part.to(comm_device(group))  # itself when computed there
+                    dist.all_reduce(sent, op=op, group=group)
+                    part = sent.to(device)
         combined = torch.maximum(combined, part) if math.isinf(p) else combined + part
     total = combined if math.isinf(p) else combined ** (1.0 / p)
 

@@ -12,7 +12,7 @@ overrides some of them (:func:`config_for_module`). Mapping:
   forward); ``keep_low_precision_grads=True`` cannot be honoured (``fully_shard`` always
   returns gradients in the parameter dtype) and warns once.
 * ``cpu_offload=CPUOffload(offload_params=True)`` -> ``CPUOffloadPolicy`` with pinned memory
-  only when an accelerator exists.
+  only when the unit computes on an accelerator (a CPU rank on a GPU host does not pin).
 * ``backward_prefetch``: ``BACKWARD_PRE`` is ``fully_shard``'s default (the next unit's
   all-gather is issued before this unit's gradient computation); ``None`` disables backward
   prefetching; ``BACKWARD_POST`` warns once and runs as ``BACKWARD_PRE``.
@@ -176,7 +176,7 @@ def resolve_config(
         layout=layout,
         device=device,
         mp_policy=mixed_precision_policy(args.mixed_precision),
-        offload_policy=offload_policy(args.cpu_offload),
+        offload_policy=offload_policy(args.cpu_offload, device),
     )
 
 
@@ -206,9 +206,16 @@ def mixed_precision_policy(mp: MixedPrecision | None) -> MixedPrecisionPolicy:
     )
 
 
-def offload_policy(cpu_offload: CPUOffload) -> OffloadPolicy:
+def offload_policy(cpu_offload: CPUOffload, device: torch.device) -> OffloadPolicy:
+    """``fully_shard``'s offload policy for a unit computing on ``device``.
+
+    Offloaded shards are pinned only when the unit computes on an accelerator, where
+    pinning speeds up the copies to it. A CPU rank never pins, even on a host with GPUs:
+    pinning allocates through the accelerator's host allocator, which creates a context
+    on its current device (GPU 0) in every such rank.
+    """
     if cpu_offload.offload_params:
-        return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+        return CPUOffloadPolicy(pin_memory=device.type not in ("cpu", "meta"))
     return OffloadPolicy()
 
 

@@ -1,10 +1,16 @@
 """Model and optimizer state as plain nested dicts keyed by clean parameter FQNs.
 
 Thin layer over ``torch.distributed.checkpoint.state_dict`` (``get/set_model_state_dict``,
-``get/set_optimizer_state_dict``, ``StateDictOptions``): no hand-written gathers. Used by
-the FSDP1 optimizer-state-dict family and by checkpoints.
+``get/set_optimizer_state_dict``, ``StateDictOptions``). Used by the FSDP1
+optimizer-state-dict family and by checkpoints.
 
 What this layer adds:
+
+* **Full values streamed to the CPU.** Full values are gathered here from DCP's sharded
+  state, one DTensor at a time with :func:`~._comm_device.gather_full`, each moved to the
+  CPU before the next gather when asked. DCP's own ``full_state_dict=True`` offloads only
+  together with rank 0 only (its ``cpu_offload`` means both), so full values on every
+  rank would first be whole on each GPU; torch FSDP1 streams unit by unit.
 
 * **Clean FQNs for optimizer state.** DCP keys optimizer state by ``named_parameters()``
   names, which keep a wrapper's inner-module segment (e.g. ``module.``). Here a name
@@ -36,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, get_fqns, set_optimizer_state_dict
+from fsdp_interactive.fsdp._comm_device import gather_full
 from fsdp_interactive.fsdp._raw_state_dict import raw_state_dict
 
 
@@ -135,25 +142,42 @@ def to_cpu(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.cpu())
 
 
+def gather_values(obj: Any, *, cpu_offload: bool, keep: bool) -> Any:
+    """``obj`` with every DTensor gathered into a full plain tensor (a collective: every
+    rank calls this on the same structure), one tensor at a time in the structure's order.
+
+    ``cpu_offload``: each full tensor (and each plain tensor) goes to the CPU right after
+    its gather, so the device never holds more than one full tensor. ``keep=False`` (a
+    nonzero rank under ``rank0_only``): the gathers happen and their results are dropped at
+    once; the return value is then meaningless.
+    """
+
+    def gather(t: torch.Tensor) -> Any:
+        if isinstance(t, DTensor):
+            full = gather_full(t, to_cpu=cpu_offload and keep)
+            return full if keep else None
+        return t.cpu() if cpu_offload and keep else t
+
+    return map_tensors(obj, gather)
+
+
 def model_state(
     model: nn.Module, *, full: bool = False, cpu_offload: bool = False, rank0_only: bool = False
 ) -> dict[str, Any]:
     """The model's state dict with clean FQN keys.
 
     ``full=False``: sharded ``DTensor`` values (no communication). ``full=True``: plain
-    full tensors on every rank (``rank0_only``: on rank 0 only, ``{}`` elsewhere);
-    ``cpu_offload`` moves the values to CPU.
+    full tensors on every rank (``rank0_only``: on rank 0 only, ``{}`` elsewhere), gathered
+    one tensor at a time on each mesh's communication device (:func:`gather_values`);
+    ``cpu_offload`` moves the values to CPU, each right after its gather.
     """
-    dcp_offload = full and cpu_offload and rank0_only
     with raw_state_dict():
-        sd = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=full, cpu_offload=dcp_offload)
-        )
-    if full and rank0_only and _rank() != 0:
-        return {}
-    if cpu_offload and not dcp_offload:
-        sd = to_cpu(sd)
-    return sd
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    if not full:
+        return to_cpu(sd) if cpu_offload else sd
+    keep = not rank0_only or _rank() == 0
+    sd = gather_values(sd, cpu_offload=cpu_offload, keep=keep)
+    return sd if keep else {}
 
 
 def optimizer_state(
@@ -177,15 +201,10 @@ def optimizer_state(
         if full and rank0_only and _rank() != 0:
             return {}
         return {"state": {}, "param_groups": param_groups}
-    dcp_offload = full and cpu_offload and rank0_only
     with raw_state_dict():
         osd = get_optimizer_state_dict(
-            model,
-            optimizer,
-            options=StateDictOptions(full_state_dict=full, cpu_offload=dcp_offload),
+            model, optimizer, options=StateDictOptions(full_state_dict=False)
         )
-    if full and rank0_only and _rank() != 0:
-        return {}
     names = dcp_param_keys(model)
     osd = {
         "state": {names.get(k, k): v for k, v in osd["state"].items()},
@@ -193,11 +212,13 @@ def optimizer_state(
             {**g, "params": [names.get(p, p) for p in g["params"]]} for g in osd["param_groups"]
         ],
     }
-    if cpu_offload and not dcp_offload:
-        osd = to_cpu(osd)
-    if full:
-        osd = _detach_from(osd, _live_storages(optimizer))
-    return osd
+    if not full:
+        return to_cpu(osd) if cpu_offload else osd
+    keep = not rank0_only or _rank() == 0
+    osd = gather_values(osd, cpu_offload=cpu_offload, keep=keep)
+    if not keep:
+        return {}
+    return _detach_from(osd, _live_storages(optimizer))
 
 
 def _live_storages(optimizer: torch.optim.Optimizer) -> set[int]:

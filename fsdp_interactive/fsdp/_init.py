@@ -41,6 +41,7 @@ from fsdp_interactive._torch_compat import (
     parameter_slots,
     unflatten_dense_tensors,
 )
+from fsdp_interactive.fsdp._comm_device import comm_device
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,34 @@ def resolve_device(
     device_id: int | torch.device | None,
     module: nn.Module,
     ignored_params: frozenset[nn.Parameter],
+    *,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> torch.device:
-    """The compute device: ``device_id`` if given, else where the module's states live, else CPU.
+    """The compute device: ``device_id`` if given, else the accelerator device the module's
+    states are on, else (a module on CPU or meta) the communication device of the group it
+    is sharded over.
 
     An ``int`` names an index of the current accelerator type (FSDP1: a CUDA index); a
     ``torch.device`` without an index on an accelerator means the current index. For an
     accelerator device with another index than the current one, the current device is
     switched to it (``fully_shard`` computes on the current device of the mesh's type).
+
+    A CPU or meta module without ``device_id`` computes where its group communicates
+    (:func:`~._comm_device.comm_device` of ``device_mesh``, else of ``process_group``'s
+    shard group, else of the default group): over an NCCL-only group that is the current
+    CUDA device, where FSDP1 computes too (``torch/distributed/fsdp/_init_utils.py``,
+    torch 2.13: ``_get_compute_device`` line 1100 takes ``device_handle.current_device()``
+    for a module on CPU, ``_materialize_meta_module`` line 924 materializes meta modules
+    there); ``fully_shard`` then moves the states there and meta modules are materialized
+    there. Over gloo it is the CPU: CPU ranks, where FSDP1 would still pick the accelerator
+    (line 388) and need ``device_id=torch.device("cpu")``.
     """
     device = _requested_device(device_id, module, ignored_params)
+    if device is None:
+        device = _group_device(process_group, device_mesh)  # the current device already
+        logger.debug("module on CPU/meta without device_id: computing on %s", device)
+        return device
     accelerator_index = device.index if device.type not in ("cpu", "meta") else None
     if (
         accelerator_index is not None
@@ -67,11 +87,24 @@ def resolve_device(
     return device
 
 
+def _group_device(
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+) -> torch.device:
+    if device_mesh is not None:
+        return comm_device(device_mesh)
+    if isinstance(process_group, tuple):
+        return comm_device(process_group[0])  # (intra-node shard group, inter-node group)
+    return comm_device(process_group)
+
+
 def _requested_device(
     device_id: int | torch.device | None,
     module: nn.Module,
     ignored_params: frozenset[nn.Parameter],
-) -> torch.device:
+) -> torch.device | None:
+    """``device_id`` as a device, else the accelerator device of the module's states, else
+    ``None`` (states on CPU or meta only)."""
     if isinstance(device_id, int):
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is None:
@@ -96,7 +129,7 @@ def _requested_device(
             f"module has parameters/buffers on several devices {sorted(map(str, devices))}; "
             "pass device_id to choose the compute device"
         )
-    return devices.pop() if devices else torch.device("cpu")
+    return devices.pop() if devices else None
 
 
 def _states(
@@ -215,14 +248,10 @@ def broadcast_from_rank0(
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    comm_device = (
-        torch.device("cpu")
-        if mesh.device_type == "cpu"
-        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
-    )
+    device = comm_device(mesh)
     for bucket in by_dtype.values():
         # Communicate on the mesh's device (NCCL cannot send CPU tensors); copy back after.
-        flat = flatten_dense_tensors([t.detach() for t in bucket]).to(comm_device)
+        flat = flatten_dense_tensors([t.detach() for t in bucket]).to(device)
         dist.broadcast(flat, src=source, group=group)
         for t, synced in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(synced)

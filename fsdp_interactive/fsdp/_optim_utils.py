@@ -36,12 +36,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._torch_compat import local_tensor
 from fsdp_interactive.fsdp import _fqn_state as _state
 from fsdp_interactive.fsdp import _optim_placeholders
-from fsdp_interactive.fsdp._sharded_tensor import is_sharded_tensor, to_dtensor_like
+from fsdp_interactive.fsdp._comm_device import on_comm_device
+from fsdp_interactive.fsdp._sharded_tensor import (
+    is_sharded_tensor,
+    local_as_dtensor_like,
+    piece_as_dtensor_like,
+    to_dtensor_like,
+)
+from fsdp_interactive.fsdp._state_broadcast import broadcast_from_rank0
 from fsdp_interactive.fsdp._state_dict_utils import get_state_dict_type, has_chosen_type
 from fsdp_interactive.fsdp.api import OptimStateKeyType, StateDictType
 
@@ -154,6 +162,9 @@ def _sharded_optimizer_state(
 
 
 def _to_param_value(value: Any, param: nn.Parameter) -> Any:
+    """``value`` in ``param``'s layout, where it is a tensor of ``param``'s shape: this
+    rank's piece as a DTensor on the parameter's device, never a view of a full tensor
+    (which can then be freed). Other values come back as they are."""
     if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor):
         return value
     if is_sharded_tensor(value):
@@ -161,12 +172,31 @@ def _to_param_value(value: Any, param: nn.Parameter) -> Any:
     if isinstance(value, DTensor):
         if value.device_mesh == param.device_mesh and value.placements == param.placements:
             return value
-        return value.redistribute(param.device_mesh, param.placements)
+        # A collective over the mesh: on its communication device, whatever the shards' device.
+        moved = on_comm_device(value).redistribute(param.device_mesh, param.placements)
+        return local_as_dtensor_like(local_tensor(moved).to(param.device, copy=True), param)
     if tuple(value.shape) != tuple(param.shape):
         return value  # e.g. Adam's scalar ``step``
-    return distribute_tensor(
-        value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-    )
+    return piece_as_dtensor_like(value, param)
+
+
+def _from_rank0(model: nn.Module, osd: Any) -> Any:
+    """Rank 0's full optimizer state (keyed by FQN) on every rank, streamed tensor by tensor
+    (:func:`~._state_broadcast.broadcast_from_rank0`): each parameter-shaped value becomes
+    this rank's piece as soon as it arrives, every other tensor a CPU copy, so neither the
+    device nor this rank's memory ever holds the whole state."""
+    fqn_of = _fqn_by_param(model)
+    param_by_fqn = {fqn_of[id(p)]: p for p in model.parameters() if id(p) in fqn_of}
+
+    def receive(path: tuple, tensor: torch.Tensor) -> Any:
+        param = param_by_fqn.get(path[1]) if len(path) == 3 and path[0] == "state" else None
+        if isinstance(param, DTensor):
+            value = _to_param_value(tensor, param)
+            if isinstance(value, DTensor):
+                return value
+        return tensor.to("cpu", copy=True)
+
+    return broadcast_from_rank0(osd, receive=receive)
 
 
 def _loadable(
@@ -230,15 +260,17 @@ def optim_state_dict_to_load(
     """Turn an :func:`optim_state_dict` result into what ``optim.load_state_dict`` takes.
 
     With FULL_STATE_DICT and ``rank0_only=True`` only rank 0's input is used: it is
-    broadcast to the other ranks (which may pass ``{}`` or ``None``). ``load_directly``
-    also loads it into ``optim``.
+    broadcast to the other ranks (which may pass ``{}`` or ``None``) one tensor at a time
+    on the group's communication device, each cut to this rank's piece on arrival (as
+    FSDP1 does), so no rank holds the whole state. ``load_directly`` also loads it into
+    ``optim``.
     """
     settings = _active_settings(model)
     config = settings.optim_state_dict_config
     if settings.state_dict_type == StateDictType.FULL_STATE_DICT and getattr(
         config, "rank0_only", False
     ):
-        optim_state_dict = Ranks().from_rank0(_state.to_cpu(optim_state_dict))
+        optim_state_dict = _from_rank0(model, optim_state_dict)
     order = _param_order(model, optim, None)
     result = _loadable(model, optim_state_dict, order, optim, keep_names=is_named_optimizer)
     if load_directly:
@@ -289,12 +321,13 @@ def scatter_full_optim_state_dict(
     group: Any = None,
 ) -> dict[str, Any]:
     """Legacy: rank 0 holds the full state (others pass ``None``); every rank gets its
-    loadable shard. The state travels from rank 0 as one object broadcast."""
+    loadable shard. The state travels from rank 0 one tensor at a time, each cut to this
+    rank's piece on arrival."""
     _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
     ranks = Ranks()
     if ranks.rank == 0 and full_optim_state_dict is None:
         raise ValueError("rank 0 must pass the full optimizer state dict, got None")
-    full = ranks.from_rank0(_state.to_cpu(full_optim_state_dict) if ranks.rank == 0 else None)
+    full = _from_rank0(model, full_optim_state_dict if ranks.rank == 0 else None)
     order = _param_order(model, optim, optim_input)
     return _loadable(model, full, order, optim)
 

@@ -17,7 +17,9 @@ Wherever FSDP1 accepts them (``load_state_dict`` under ``SHARDED_STATE_DICT``,
 
 The decision is made jointly (one all-reduce of a flag over the ``ShardedTensor``'s
 group), so every rank of that group must convert the same values in the same order, as
-every rank does in FSDP1's load calls. Not done: ``ShardedTensor`` values nested inside
+every rank does in FSDP1's load calls. Both all-reduces run on the group's communication device
+(:func:`~._comm_device.comm_device`), wherever the shards are kept: CPU shards over an
+NCCL-only group are sent from the GPU. Not done: ``ShardedTensor`` values nested inside
 others (2-D tensor parallel), which FSDP1's own loaders reject too.
 """
 
@@ -34,6 +36,7 @@ from fsdp_interactive._torch_compat import (
     local_shape_and_offset,
     sharded_tensor_group,
 )
+from fsdp_interactive.fsdp._comm_device import comm_device
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,9 @@ def to_dtensor_like(value: ShardedTensor, like: DTensor) -> DTensor:
     group = sharded_tensor_group(value)
     shape, offset = local_shape_and_offset(like.shape, like.device_mesh, like.placements)
     own = _own_piece(value, shape, offset)
-    everywhere = torch.tensor([1 if own is not None else 0], dtype=torch.int32)
-    everywhere = everywhere.to(_comm_device(value, like))
+    everywhere = torch.tensor(
+        [1 if own is not None else 0], dtype=torch.int32, device=comm_device(group)
+    )
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
     if bool(everywhere.item()):
         assert own is not None
@@ -88,6 +92,20 @@ def local_as_dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
+def piece_as_dtensor_like(
+    full: torch.Tensor, like: DTensor, dtype: torch.dtype | None = None
+) -> DTensor:
+    """This rank's piece of the full tensor ``full``, as a DTensor like ``like`` (see
+    :func:`local_as_dtensor_like`), copied onto ``like``'s device (in ``dtype`` if given,
+    else ``full``'s): never a view of ``full``, so ``full`` can be freed at once. Only the
+    piece is copied. No communication."""
+    shape, offset = local_shape_and_offset(like.shape, like.device_mesh, like.placements)
+    piece = full
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        piece = piece.narrow(dim, start, size)
+    return local_as_dtensor_like(piece.to(like.device, dtype or piece.dtype, copy=True), like)
+
+
 def _own_piece(
     value: ShardedTensor, shape: tuple[int, ...], offset: tuple[int, ...]
 ) -> torch.Tensor | None:
@@ -105,15 +123,12 @@ def _own_piece(
     return None
 
 
-def _comm_device(value: ShardedTensor, like: DTensor) -> torch.device:
-    shards = value.local_shards()
-    return shards[0].tensor.device if shards else like.device
-
-
 def _assemble(value: ShardedTensor, like: DTensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The full tensor on every rank of ``group``: each rank writes its shards into zeros,
-    a sum adds the (disjoint) pieces, which is exact."""
-    device = _comm_device(value, like)
+    a sum adds the (disjoint) pieces, which is exact. On ``group``'s communication device:
+    the shards' own device says nothing about what the group can send (FSDP1's shards of a
+    CUDA model may have been offloaded to CPU, over an NCCL-only group)."""
+    device = comm_device(group)
     full = torch.zeros(tuple(value.size()), dtype=value.dtype, device=device)
     for shard in value.local_shards():
         index = tuple(

@@ -11,9 +11,11 @@ until a type is set.
 :func:`install_state_dict_hooks` makes ``module.state_dict()`` / ``load_state_dict()``
 follow the active type:
 
-* ``FULL_STATE_DICT``: full plain tensors (``DTensor.full_tensor()``, a collective: every
-  rank calls ``state_dict()``); ``rank0_only`` leaves ``{}`` on nonzero ranks;
-  ``offload_to_cpu`` moves values to CPU. Loading accepts full tensors on every rank and
+* ``FULL_STATE_DICT``: full plain tensors (gathered on the mesh's communication device
+  with :func:`~._comm_device.gather_full`, a collective: every rank calls
+  ``state_dict()``); ``rank0_only`` leaves ``{}`` on nonzero ranks; ``offload_to_cpu``
+  moves each value to CPU right after its gather, so the device holds one full tensor at
+  a time (FSDP1 streams unit by unit). Loading accepts full tensors on every rank and
   keeps only this rank's shard (no communication).
 * ``SHARDED_STATE_DICT``: ``DTensor`` values (FSDP2's native state dict). torch FSDP1
   returns ``ShardedTensor`` unless ``_use_dtensor`` is set; here it is always ``DTensor``.
@@ -46,13 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import FQN_MODIFIERS_METHOD, buffer_slots, parameter_slots
+from fsdp_interactive.fsdp._comm_device import gather_full
 from fsdp_interactive.fsdp._raw_state_dict import hooks_suspended
 from fsdp_interactive.fsdp._sharded_tensor import (
     is_sharded_tensor,
     local_as_dtensor_like,
+    piece_as_dtensor_like,
     to_dtensor_like,
 )
 from fsdp_interactive.fsdp.api import (
@@ -296,22 +300,28 @@ def _convert_on_save(module: nn.Module, state_dict: dict, prefix: str, _meta: An
     settings = settings_of(module)
     kind, config = settings.state_dict_type, settings.state_dict_config
     keys = [k for k in state_dict if k.startswith(prefix)]
+    if kind == StateDictType.FULL_STATE_DICT:
+        keep = not (config.rank0_only and _rank() != 0)
+        for key in keys:
+            value = state_dict[key]
+            if isinstance(value, DTensor):
+                # One tensor at a time, moved to CPU before the next gather (offload_to_cpu):
+                # the device holds one full tensor at most, never the unit's or the model's.
+                full = gather_full(value, to_cpu=config.offload_to_cpu and keep)
+                state_dict[key] = full if keep else None
+                del full
+            elif keep and config.offload_to_cpu and isinstance(value, torch.Tensor):
+                state_dict[key] = value.cpu()
+        if not keep:
+            for key in keys:
+                del state_dict[key]
+        return
     for key in keys:
         value = state_dict[key]
-        if not isinstance(value, DTensor):
-            continue
-        if kind == StateDictType.FULL_STATE_DICT:
-            full = value.full_tensor()
-            if full.untyped_storage().data_ptr() == value.to_local().untyped_storage().data_ptr():
-                full = full.clone()
-            state_dict[key] = full.detach()
-        elif kind == StateDictType.LOCAL_STATE_DICT:
-            state_dict[key] = value.to_local().detach()
-    for key in keys:
-        if kind == StateDictType.FULL_STATE_DICT and config.rank0_only and _rank() != 0:
-            del state_dict[key]
-        elif config.offload_to_cpu and isinstance(state_dict[key], torch.Tensor):
-            state_dict[key] = state_dict[key].cpu()
+        if kind == StateDictType.LOCAL_STATE_DICT and isinstance(value, DTensor):
+            value = state_dict[key] = value.to_local().detach()
+        if config.offload_to_cpu and isinstance(value, torch.Tensor):
+            state_dict[key] = value.cpu()
 
 
 def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
@@ -330,9 +340,4 @@ def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) 
         elif kind == StateDictType.LOCAL_STATE_DICT:
             state_dict[key] = local_as_dtensor_like(value, param)
         elif tuple(value.shape) == tuple(param.shape):
-            state_dict[key] = distribute_tensor(
-                value.to(param.device, param.dtype),
-                param.device_mesh,
-                param.placements,
-                src_data_rank=None,
-            )
+            state_dict[key] = piece_as_dtensor_like(value, param, dtype=param.dtype)

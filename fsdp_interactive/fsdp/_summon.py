@@ -10,10 +10,15 @@ registered again, so the optimizer's parameter objects never change.
   copies from its own full copy; for NO_SHARD the slice is the whole tensor.
 * ``rank0_only=True``: only rank 0 registers full parameters; other ranks take part in the
   gathers and keep their sharded parameters registered.
-* ``offload_to_cpu=True``: the full parameters are placed on CPU.
+* ``offload_to_cpu=True``: the full parameters are placed on CPU, each moved there right
+  after its gather (one full parameter on the device at a time). Without it they are on
+  the mesh's communication device, also for ``CPUOffload(offload_params=True)`` shards.
 * ``with_grads=True``: each full parameter also gets the full gradient (all-gathered from the
   sharded gradient; zeros on ranks that hold none while others do). Gradient edits are not
   written back.
+
+Every gather runs on the mesh's communication device (:mod:`._comm_device`): shards kept
+on the CPU are copied there first, as an NCCL group takes no CPU tensor.
 
 Ignored parameters and parameters outside any unit are left as they are. Buffers are not
 touched. The units are first resharded (a no-op unless a forward without backward left a
@@ -32,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import local_shape_and_offset, local_tensor, parameter_slots
+from fsdp_interactive.fsdp import _comm_device
 from fsdp_interactive.fsdp._traversal import check_idle, owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
 
@@ -138,14 +144,18 @@ def local_slice(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
     return view
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 @torch.no_grad()
 def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
-    """Give each full parameter the full gradient of its sharded parameter."""
-    flags = torch.tensor([s.sharded.grad is not None for s in slots], dtype=torch.int32)
+    """Give each full parameter the full gradient of its sharded parameter.
+
+    The flags saying which gradients exist are all-reduced on ``group``'s communication
+    device (an NCCL-only group takes no CPU tensor).
+    """
+    flags = torch.tensor(
+        [s.sharded.grad is not None for s in slots],
+        dtype=torch.int32,
+        device=_comm_device.comm_device(group),
+    )
     if dist.get_world_size(group) > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     for slot, flag in zip(slots, flags.tolist(), strict=True):
@@ -162,9 +172,7 @@ def _gather_grads(slots: list[_Swap], group: dist.ProcessGroup) -> None:
             grad = DTensor.from_local(
                 local, slot.sharded.device_mesh, slot.sharded.placements, run_check=False
             )
-        full_grad = grad.full_tensor()
-        if _shares_storage(full_grad, local_tensor(grad)):
-            full_grad = full_grad.clone()
+        full_grad = _comm_device.gather_full(grad, to_cpu=False)
         if slot.full is not None:
             slot.full.grad = full_grad.to(slot.full.device)
 
@@ -196,15 +204,15 @@ def summon_units(
                     key = id(slot.sharded)
                     if key not in gathered:
                         gathered.add(key)
-                        full = slot.sharded.full_tensor()  # collective: every rank gathers
+                        # collective: every rank gathers, on the mesh's device
+                        full = _comm_device.gather_full(
+                            slot.sharded, to_cpu=offload_to_cpu and keep_full
+                        )
                         if keep_full:
-                            if offload_to_cpu:
-                                full = full.cpu()
-                            if _shares_storage(full, local_tensor(slot.sharded)):
-                                full = full.clone()  # unsharded meshes return the shard itself
                             full_of[key] = nn.Parameter(
                                 full, requires_grad=slot.sharded.requires_grad
                             )
+                        del full
                     slot.full = full_of.get(key)
                 if with_grads and record.swaps:
                     _gather_grads(record.swaps, group)

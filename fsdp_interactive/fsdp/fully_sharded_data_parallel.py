@@ -20,8 +20,10 @@ What differs from torch's FSDP1 (and why):
   around it (FSDP1 decides at the first forward).
 * Forward inside ``summon_full_params`` raises ``RuntimeError``. Between a forward and its
   backward units are idle, so ``summon_full_params`` there is allowed (as in FSDP1).
-* Without ``device_id`` the compute device is where the module's parameters are, else CPU
-  (FSDP1 requires an accelerator or an explicit CPU ``device_id``).
+* Without ``device_id`` the compute device is the accelerator the module's parameters are
+  on; a CPU or meta module computes where its process group communicates: the current
+  CUDA device over NCCL (as FSDP1), the CPU over gloo (FSDP1 requires an accelerator or
+  an explicit CPU ``device_id``). See :func:`._init.resolve_device`.
 * ``FULL_SHARD``/``HYBRID_SHARD`` units free parameters after forward except the root, which
   keeps them for backward, as FSDP1 does (``reshard_after_forward=None`` in ``fully_shard``).
   Forward-less containers (``nn.ModuleList``/``ModuleDict``) never become units.
@@ -167,7 +169,13 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
             device_mesh=device_mesh,
         )
-        device = _init.resolve_device(device_id, module, ignored.params)
+        device = _init.resolve_device(
+            device_id,
+            module,
+            ignored.params,
+            process_group=process_group,
+            device_mesh=device_mesh,
+        )
         config = resolve_config(args, device)
         warn_unhonoured(args, use_orig_params_passed)
         snapshot = TreeSnapshot(module)

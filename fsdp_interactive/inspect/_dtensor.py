@@ -32,17 +32,6 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def comm_device() -> torch.device:
-    """Where tensors for the default group's collectives must live.
-
-    CUDA (this rank's current device) when the group is NCCL-only, else CPU (gloo, or a
-    group that has a CPU backend besides NCCL).
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def replication(tensor: torch.Tensor) -> int:
     """How many ranks hold an identical copy of this rank's piece of ``tensor``.
 

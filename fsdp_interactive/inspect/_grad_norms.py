@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive._torch_compat import foreach_norm
+from fsdp_interactive.fsdp._comm_device import comm_device
 from fsdp_interactive.inspect._dtensor import (
-    comm_device,
     local_tensor,
     named_parameters,
     replication,
@@ -49,7 +49,7 @@ def reduce_grad_stats(model: nn.Module, norm_type: float) -> GradStats:
     names, row = local_grad_row(model, norm_type)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return combine_grad_rows(names, row.unsqueeze(0), norm_type)
-    row = row.to(comm_device())
+    row = row.to(comm_device(None))
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     return combine_grad_rows(names, torch.stack(rows).cpu(), norm_type)

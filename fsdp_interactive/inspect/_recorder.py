@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive._background_groups import background_gloo_group
+from fsdp_interactive.fsdp._comm_device import comm_device
 from fsdp_interactive.inspect._dtensor import world
 from fsdp_interactive.inspect._grad_norms import (
     GradStats,
@@ -108,11 +109,12 @@ class GradNormRecorder:
         self.flush()
         step = self._next_step(None)
         names, row = local_grad_row(self.model, self.norm_type)
+        row = row.to(comm_device(self._group))  # the CPU: the recorders' group is gloo
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self._group))]
         work = dist.all_gather(rows, row, group=self._group, async_op=True)
 
         def complete(_: torch.futures.Future) -> None:
-            stats = combine_grad_rows(names, torch.stack(rows), self.norm_type)
+            stats = combine_grad_rows(names, torch.stack(rows).cpu(), self.norm_type)
             self._append(stats, step)
 
         self._pending = work.get_future().then(complete)

@@ -47,3 +47,44 @@ def test_gpu_figure_measures_every_contender() -> None:
         assert c["ratio"] is not None and c["ratio"] > 0, c
     mfu = [v for k, v in figure["measurements"].items() if ": MFU, " in k]
     assert mfu and all(0 < s < 1 for stat in mfu for s in stat["samples"])
+
+
+def test_each_contenders_peak_memory_is_measured_with_no_other_model_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The order of events on a (mocked) GPU: the peak statistics are reset, one model is
+    built and trained, its peak read, and it is gone before the next one is built."""
+    import weakref
+
+    import torch
+    from torch import nn
+
+    import bench.models
+    from bench.models import ModelSize
+
+    events: list[tuple] = []
+    alive: weakref.WeakSet = weakref.WeakSet()
+
+    def wrap(name: str, model: nn.Module) -> nn.Module:
+        events.append(("build", name, sorted(m.contender for m in alive)))
+        model.contender = name
+        alive.add(model)
+        return model
+
+    monkeypatch.setattr(gpu, "_wrap", wrap)
+    monkeypatch.setattr(gpu, "build_model", lambda size: nn.Linear(2, 2))
+    monkeypatch.setattr(bench.models, "train_step", lambda *a: events.append(("step",)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: events.append(("reset",)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: float(len(events)))
+
+    size = ModelSize(dim=2, blocks=1, batch=1)
+    memory = {n: gpu._peak_memory_alone(n, size, torch.zeros(1, 2), 2) for n in gpu.LABELS}
+
+    builds = [e for e in events if e[0] == "build"]
+    assert [b[1] for b in builds] == list(gpu.LABELS)
+    assert all(others == [] for _, _, others in builds), builds  # no other model alive
+    per_contender = len(events) // len(gpu.LABELS)
+    assert events[:per_contender] == [("reset",), builds[0], ("step",), ("step",)]
+    assert list(memory.values()) == [4.0, 8.0, 12.0]  # each read after its own steps

@@ -3,7 +3,9 @@ several ranks are built with explicit ``num_replicas``/``rank``)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -91,17 +93,88 @@ def test_saved_cuda_states_are_skipped_without_cuda():
         RNGState(cuda=True)
 
 
+class FakeCuda:
+    """Three CUDA devices with generator states of their own, device ``current`` current:
+    ``torch.cuda``'s RNG functions as torch resolves their ``device`` argument."""
+
+    def __init__(self, current: int = 1):
+        self.current = current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(3)}
+        self.set_on: list[int] = []
+
+    def index(self, device) -> int:
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        return self.current if device.index is None else device.index
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return self.states[self.index(device)].clone()
+
+    def set_rng_state(self, state: torch.Tensor, device="cuda") -> None:
+        self.set_on.append(self.index(device))
+        self.states[self.index(device)] = state.clone()
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        raise AssertionError("read the generators of every device")
+
+    def patched(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for name, value in (
+            ("is_available", lambda: True),
+            ("is_initialized", lambda: True),
+            ("device_count", lambda: 3),
+            ("current_device", lambda: self.current),
+            ("get_rng_state", self.get_rng_state),
+            ("set_rng_state", self.set_rng_state),
+            ("get_rng_state_all", self.get_rng_state_all),
+        ):
+            stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        return stack
+
+
+def test_only_the_ranks_own_cuda_generator_is_saved_and_restored():
+    cuda = FakeCuda(current=1)
+    with cuda.patched():
+        state = RNGState().state_dict()
+        assert "cuda" not in state
+        assert torch.equal(state["cuda_device"], cuda.states[1])  # device 1's, no other
+        cuda.states[1] = torch.zeros(16, dtype=torch.uint8)
+        RNGState().load_state_dict(state)
+        assert cuda.set_on == [1] and torch.equal(cuda.states[1], torch.ones(16, dtype=torch.uint8))
+        assert [int(cuda.states[i][0]) for i in (0, 2)] == [0, 2]  # others untouched
+    # After a restart the rank sees its GPU as device 0 (CUDA_VISIBLE_DEVICES): its own
+    # stream continues there.
+    restarted = FakeCuda(current=0)
+    with restarted.patched():
+        RNGState().load_state_dict(state)
+    assert restarted.set_on == [0] and int(restarted.states[0][0]) == 1
+
+
+def test_states_saved_for_every_device_restore_the_current_devices_entry_only():
+    cuda = FakeCuda(current=2)
+    legacy = {"torch": torch.get_rng_state(), "cuda": [torch.full((16,), 10 + i) for i in range(3)]}
+    with cuda.patched():
+        RNGState().load_state_dict(legacy)
+    assert cuda.set_on == [2] and int(cuda.states[2][0]) == 12
+
+
 @pytest.mark.cuda
 def test_cuda_generator_states_round_trip():
     torch.cuda.manual_seed_all(3)
     torch.rand(4, device="cuda")
     rng = RNGState(cuda=True)
     state = rng.state_dict()
-    assert len(state["cuda"]) == torch.cuda.device_count()
+    assert "cuda" not in state
+    assert torch.equal(state["cuda_device"], torch.cuda.get_rng_state(torch.cuda.current_device()))
     expected = torch.rand(4, device="cuda").cpu()
-    torch.cuda.manual_seed_all(8)
+    others = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    torch.cuda.manual_seed(8)  # the current device only
     rng.load_state_dict(state)
     assert torch.equal(torch.rand(4, device="cuda").cpu(), expected)
+    for index in range(torch.cuda.device_count()):
+        if index != torch.cuda.current_device():
+            assert torch.equal(torch.cuda.get_rng_state(index), others[index])
 
 
 def _samplers(n: int, world: int, **kwargs) -> list[ResumableDistributedSampler]:
