@@ -15,9 +15,18 @@ rank and pulls its plain-data answer):
   the same way; ``--force``): the full tensor gathered on the ranks and copied into the
   kernel.  It does not depend on ``P`` and is measured once per world size.
 
-The probes take turns, sample by sample.  Target: each probe at most 250 ms at 300
+At real sizes, on 2 ranks: GPT-2 small built from its config with ``transformers`` (124M
+parameters in 148 tensors, one unit per block, after one forward and backward), the same
+four probes, the summon statistics of ``transformer.wte.weight`` (the 50257 x 768 token
+embedding, 38.6M elements).  ``--quick`` keeps 1 of its 12 blocks (the embedding at full
+size) and runs the forward without gradients (the grad norms then find none): the
+backward's reduce-scatter of the embedding's gradient alone takes seconds on CPU ranks.
+Without ``transformers`` (the ``hf`` extra) the case is reported unavailable.
+
+The probes take turns, sample by sample.  Targets: each probe at most 250 ms at 300
 parameters on 4 ranks, and growing no faster than linearly with the parameter count
-(log-log slope at most 1 between 30 and 3,000 parameters).
+(log-log slope at most 1 between 30 and 3,000 parameters); the summon statistics of
+GPT-2 small's embedding at most 1 s on 2 ranks.
 """
 
 from __future__ import annotations
@@ -59,6 +68,25 @@ model = _FSDP(
 )
 model(_t.randn(2, 4)).sum().backward()
 del _t, _nn, _FSDP, _Policy
+"""
+GPT2_TENSOR = "transformer.wte.weight"
+GPT2_CASE = "2 ranks, GPT-2 small"
+GPT2_LIMIT_S = 1.0
+_BUILD_GPT2 = """
+import torch as _t
+from transformers import GPT2Config as _Config, GPT2LMHeadModel as _GPT2
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block as _Block
+from fsdp_interactive.fsdp import FullyShardedDataParallel as _FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy as _Policy
+_t.manual_seed(0)
+gpt2 = _FSDP(_GPT2(_Config(n_layer={layers})), auto_wrap_policy=_Policy({{_Block}}), use_orig_params=True)
+_tokens = _t.randint(0, gpt2.config.vocab_size, (2, 16))
+if {backward}:
+    gpt2(_tokens, labels=_tokens).loss.backward()
+else:
+    with _t.no_grad():
+        gpt2(_tokens)
+del _t, _Config, _GPT2, _Block, _FSDP, _Policy, _tokens
 """
 _BUILD_BIG = """
 import torch as _t
@@ -122,6 +150,8 @@ def run(settings: Settings) -> FigureResult:
                     per.setdefault((name, world), {})[params] = stat
                     result.measurements[f"{world} ranks, {params} parameters: {name}"] = stat
                 pool.run("del model", stream=False)
+            if world == 2:
+                result.comparisons.append(_gpt2_case(pool, settings.quick, reps, result))
             pool.run(_BUILD_BIG, stream=False, timeout=300)
             quiet_cell(shell, PULL_CELL)
             pulls[world] = Stat(
@@ -168,6 +198,57 @@ def run(settings: Settings) -> FigureResult:
     result.notes += _verdicts(per, pulls, worlds, sizes)
     result.comparisons += _budget_comparisons(result.key, per, worlds)
     return result
+
+
+def _gpt2_case(pool: Any, quick: bool, reps: int, result: FigureResult) -> Comparison:
+    """The four probes on GPT-2 small at 2 ranks (``reps`` alternated samples each after a
+    warm-up call); adds measurements and a note, returns the summon statistics against 1 s."""
+    from fsdp_interactive.notebook.rank_model import RankModel
+
+    subject = f"summon stats of {GPT2_TENSOR} (ours)"
+    budget = Stat([GPT2_LIMIT_S], "s")
+    unavailable = missing("transformers", "GPT2Config", "GPT2LMHeadModel")
+    if unavailable:
+        result.notes.append(f"{GPT2_CASE}: {unavailable} (install the hf extra)")
+        return Comparison(
+            result.key,
+            GPT2_CASE,
+            subject,
+            "1 s budget",
+            None,
+            budget,
+            None,
+            unavailable=unavailable,
+        )
+    layers = 1 if quick else 12
+    pool.run(_BUILD_GPT2.format(layers=layers, backward=not quick), stream=False, timeout=600)
+    try:
+        probe = RankModel(pool, "gpt2", timeout=300)
+        tensors = len(probe.layout().params)
+        calls = _probe_calls(probe, GPT2_TENSOR)
+        for call in calls.values():
+            call()
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for index in range(reps):
+            for name in rotated(list(calls), index):
+                samples[name].append(_timed(calls[name]))
+    finally:
+        pool.run("del gpt2", stream=False)
+    label = f"{GPT2_CASE} ({layers} of 12 blocks, {tensors} tensors)"
+    for name, values in samples.items():
+        what = f"summon stats of {GPT2_TENSOR}" if name == "summon stats" else name
+        result.measurements[f"{label}: {what}"] = Stat(values, "s")
+    summon = Stat(samples["summon stats"], "s")
+    result.notes.append(
+        f"{label}: summon statistics of {GPT2_TENSOR} (38.6M elements) "
+        f"{summon.median * 1e3:.0f} ms median (target <= {GPT2_LIMIT_S:g} s); layout "
+        f"{Stat(samples['layout'], 's').median * 1e3:.0f} ms, grad norms "
+        f"{Stat(samples['grad norms'], 's').median * 1e3:.0f} ms, memory "
+        f"{Stat(samples['memory'], 's').median * 1e3:.0f} ms."
+    )
+    return Comparison(
+        result.key, GPT2_CASE, subject, "1 s budget", summon, budget, Target("<=", 1.0)
+    )
 
 
 def _budget_comparisons(

@@ -37,8 +37,21 @@ def number(value: float | None, digits: int = 4) -> str:
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain fixed-width table (right-aligned numbers, left-aligned text)."""
+    """A plain fixed-width table: the headers, a rule of dashes, one line per row.
+
+    Every column is left-aligned and as wide as its widest cell, columns are two spaces
+    apart and lines carry no trailing spaces.  Cells are shown as ``str(cell)``: numbers
+    are not parsed, re-formatted or aligned on their decimal point, so what the caller
+    formatted (``number()``, ``human_bytes()``) is what the table shows.  The one table
+    format of the package (views, pool topology, demo, command line).  Raises
+    ``ValueError`` for a row whose length differs from the headers'.
+    """
     cells = [[str(c) for c in row] for row in rows]
+    for index, row in enumerate(cells):
+        if len(row) != len(headers):
+            raise ValueError(
+                f"rows[{index}] has {len(row)} cells; the table has {len(headers)} headers"
+            )
     widths = [len(h) for h in headers]
     for row in cells:
         for i, cell in enumerate(row):

@@ -18,6 +18,8 @@ import argparse
 import sys
 from typing import Any
 
+from fsdp_interactive._text import text_table
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -69,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
             if not records:
                 print(f"no checkpoints in {args.dir}")
                 return 0
-            from tabulate import tabulate
-
             rows = [
                 [
                     r.name,
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 for r in records
             ]
             headers = ["name", "step", "world size", "created (UTC)", "size", "optimizer"]
-            print(tabulate(rows, headers=headers))
+            print(text_table(headers, rows))
             return 0
         if args.action == "to-full":
             result = ck.to_full(args.checkpoint, args.out, format=args.format)

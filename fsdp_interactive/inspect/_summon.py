@@ -1,15 +1,16 @@
 """``summon_stats`` and ``edit_param``: look at and edit full parameters (rank side).
 
 Both are collectives: every rank of the parameters' mesh must call them with the same
-arguments.  Full tensors are gathered with ``FullyShardedDataParallel.summon_full_params``
-when the model is wrapped by :mod:`fsdp_interactive.fsdp`, else with
-``DTensor.full_tensor()``; plain tensors are read directly.
+arguments.  ``summon_stats`` gathers no parameter: each rank summarizes its own shard and
+the summaries are combined.  ``edit_param`` needs the full tensor, since it writes back:
+it is gathered with ``FullyShardedDataParallel.summon_full_params`` when the model is
+wrapped by :mod:`fsdp_interactive.fsdp`, else with ``DTensor.full_tensor()``; plain tensors
+are read directly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -17,11 +18,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import parameter_slots
+from fsdp_interactive.fsdp._comm_device import gather_full
 from fsdp_interactive.fsdp._summon import local_slice, summon_full_params
 from fsdp_interactive.fsdp._traversal import owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
-from fsdp_interactive.inspect._dtensor import named_parameters
+from fsdp_interactive.inspect._dtensor import local_tensor, named_parameters
 from fsdp_interactive.inspect._records import TensorStats
+from fsdp_interactive.inspect._shard_stats import tensor_stats
 
 
 def select_params(model: nn.Module, fqn: str) -> list[tuple[str, nn.Parameter]]:
@@ -54,33 +57,38 @@ def _owning_units(model: nn.Module, chosen: list[tuple[str, nn.Parameter]]) -> l
 
 
 @contextlib.contextmanager
-def _full_params(
-    model: nn.Module, chosen: list[tuple[str, nn.Parameter]], writeback: bool = False
+def _editable_full_params(
+    model: nn.Module, chosen: list[tuple[str, nn.Parameter]]
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield name -> full tensor; with ``writeback`` edits of those tensors are kept."""
+    """Yield name -> full tensor; in-place edits of those tensors are written back to each
+    rank's shard when the block ends (collective)."""
     if any(is_unit(m) for m in model.modules()):
         with contextlib.ExitStack() as stack:
-            # Only the units that own the chosen parameters: a probe of one parameter costs
+            # Only the units that own the chosen parameters: an edit of one parameter costs
             # one unit's all-gather, whatever the size of the model.
             for unit in _owning_units(model, chosen):
-                stack.enter_context(summon_full_params(unit, recurse=False, writeback=writeback))
+                stack.enter_context(summon_full_params(unit, recurse=False, writeback=True))
             full = dict(named_parameters(model))
             missing = [name for name, _ in chosen if name not in full]
             if missing:
                 raise KeyError(f"parameters {missing} are not visible under summon_full_params")
             yield {name: full[name].data for name, _ in chosen}
         return
-    full = {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p.data).detach() for name, p in chosen
-    }
-    if not writeback:
-        yield full
-        return
-    edited = {name: t.clone() for name, t in full.items()}
+    edited = {name: _gathered(p) for name, p in chosen}
     yield edited
     with torch.no_grad():
         for name, param in chosen:
             _write_full_into(param, edited[name])
+
+
+def _gathered(param: nn.Parameter) -> torch.Tensor:
+    """A full copy of ``param`` on the device its data is kept on (a collective for a
+    DTensor, gathered on its mesh's communication device: an offloaded shard of a CUDA
+    mesh goes through the GPU, as NCCL gathers CUDA tensors only)."""
+    if not isinstance(param, DTensor):
+        return param.data.detach().clone()
+    home = local_tensor(param).device
+    return gather_full(param, to_cpu=home.type == "cpu").to(home)
 
 
 def _write_full_into(param: nn.Parameter, full: torch.Tensor) -> None:
@@ -91,54 +99,17 @@ def _write_full_into(param: nn.Parameter, full: torch.Tensor) -> None:
     param.to_local().copy_(local_slice(full, param))
 
 
-def tensor_stats(fqn: str, names: list[str], tensors: list[torch.Tensor], bins: int) -> TensorStats:
-    """Stats of ``tensors`` taken together (a single tensor keeps its shape)."""
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    dtype = str(tensors[0].dtype).removeprefix("torch.")
-    shape = tuple(tensors[0].shape) if len(tensors) == 1 else (sum(t.numel() for t in tensors),)
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-    finite = flat[torch.isfinite(flat)]
-    nan_count = int(flat.isnan().sum())
-    inf_count = int(flat.isinf().sum())
-    if finite.numel():
-        lo, hi = float(finite.min()), float(finite.max())
-        counts = torch.histc(finite, bins=bins, min=lo, max=hi if hi > lo else lo + 1.0)
-        edges = torch.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
-        mean = float(finite.mean())
-        std = float(finite.std()) if finite.numel() > 1 else 0.0
-        norm = float(torch.linalg.vector_norm(finite))
-    else:
-        lo = hi = mean = std = norm = math.nan
-        counts, edges = torch.zeros(bins), torch.zeros(bins + 1)
-    return TensorStats(
-        fqn=fqn,
-        names=tuple(names),
-        shape=tuple(int(s) for s in shape),
-        dtype=dtype,
-        numel=int(flat.numel()),
-        mean=mean,
-        std=std,
-        min=lo,
-        max=hi,
-        norm=norm,
-        nan_count=nan_count,
-        inf_count=inf_count,
-        hist_counts=tuple(int(c) for c in counts.tolist()),
-        hist_edges=tuple(float(e) for e in edges.tolist()),
-    )
-
-
 def summon_stats(model: nn.Module, fqn: str, bins: int = 40) -> TensorStats:
     """Statistics of the full parameter ``fqn`` (or all parameters of module ``fqn``).
 
     A collective over the parameters' mesh; the result is the same on every rank.  Stats
     (mean/std/min/max/norm and the histogram) are over finite values in float64; NaN and
-    Inf are counted.  Nothing is modified.
+    Inf are counted.  Each rank summarizes the shard it holds and only those few numbers
+    are gathered (see :mod:`fsdp_interactive.inspect._shard_stats`): no full parameter is
+    gathered or allocated, so the cost follows the shard's size.  Nothing is modified.
     """
     chosen = select_params(model, fqn)
-    with _full_params(model, chosen, writeback=False) as full:
-        return tensor_stats(fqn, [n for n, _ in chosen], [full[n] for n, _ in chosen], bins)
+    return tensor_stats(fqn, [n for n, _ in chosen], [p for _, p in chosen], bins)
 
 
 def edit_param(model: nn.Module, fqn: str, expression: str, bins: int = 40) -> TensorStats:
@@ -157,7 +128,7 @@ def edit_param(model: nn.Module, fqn: str, expression: str, bins: int = 40) -> T
     chosen = select_params(model, fqn)
     if len(chosen) != 1 or chosen[0][0] != fqn:
         raise ValueError(f"edit_param edits one parameter; {fqn!r} is a module, name a parameter")
-    with torch.no_grad(), _full_params(model, chosen, writeback=True) as full:
+    with torch.no_grad(), _editable_full_params(model, chosen) as full:
         target = full[fqn]
         candidate = target.clone()
         namespace = {"x": candidate, "torch": torch}

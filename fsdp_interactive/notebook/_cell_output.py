@@ -1,9 +1,15 @@
-"""Per-rank output of a ``%%fsdp`` cell: collecting it and showing it (notebook side).
+"""Per-rank output of a ``%%fsdp`` cell, shown when the cell ends (notebook side).
 
-Default display: the lowest targeted rank's output (stdout, rich displays, last value)
-plus every rank's stderr, with identical texts shown once for all ranks that produced
-them; stderr is grouped line by line, also while it streams.  ``group_outputs`` ("rank",
+Default display: the lowest targeted rank's output (stdout, progress bars, rich
+displays, last value) plus every rank's stderr, with identical texts shown once for all
+ranks that produced them; stderr is grouped line by line, also while it streams
+(:mod:`._stream_sink` shows output as it arrives). What other ranks printed or displayed
+differently is announced in one line that names ``--group-outputs rank``; their progress
+lines and bars are not (every rank runs the same loop). ``group_outputs`` ("rank",
 "type" or "order", as ipyparallel's ``%%px``) shows every rank.
+
+Text is shown as it finally looks: a line a rank rewrote with carriage returns (a
+progress bar) in its last state (:mod:`fsdp_interactive._lines`).
 """
 
 from __future__ import annotations
@@ -13,42 +19,60 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from fsdp_interactive._bar_state import BarState
+from fsdp_interactive._lines import final_lines, final_text, plain_text
 
 GROUPINGS = ("rank", "order", "type")
 
 
 @dataclass
 class RankOutput:
-    """Everything one rank produced for one cell."""
+    """Everything one rank produced for one cell: its text as received, its displays in
+    their last state, its ``tqdm.auto`` bars' last states, its last value."""
 
     rank: int
     stdout: str = ""
     stderr: str = ""
     displays: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
+    bars: list[BarState] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         return (
-            self.stdout,
-            self.stderr,
+            final_text(self.stdout),
+            final_text(self.stderr),
             repr([d.get("data") for d in self.displays]),
             repr(self.result.get("data") if self.result else None),
+            repr([bar.text for bar in self.bars]),
         )
 
 
-def outputs_of(sink: StreamSink, result: Any | None, ranks: list[int]) -> dict[int, RankOutput]:
-    """Per-rank outputs of a cell: text from the sink, rich output from the ``RunResult``.
+class CellRecord(Protocol):
+    """What a cell's output sink kept of every rank (:class:`._stream_sink.StreamSink`)."""
 
-    On failure there is no ``RunResult`` (``result=None``): the text the ranks printed
-    before failing is still there, rich displays are not.
+    def text(self, rank: int, name: str) -> str: ...
+
+    def displays(self, rank: int) -> list[dict[str, Any]]: ...
+
+    def bars(self, rank: int) -> list[BarState]: ...
+
+
+def outputs_of(sink: CellRecord, result: Any | None, ranks: list[int]) -> dict[int, RankOutput]:
+    """Per-rank outputs of a cell: text, displays and bars from the sink, the last value
+    from the ``RunResult``.
+
+    On failure there is no ``RunResult`` (``result=None``): what the ranks printed and
+    displayed before failing is still there, their last values are not.
     """
     outputs = {rank: RankOutput(rank) for rank in ranks}
     for rank, out in outputs.items():
         out.stdout = sink.text(rank, "stdout")
         out.stderr = sink.text(rank, "stderr")
+        out.displays = sink.displays(rank)
+        out.bars = sink.bars(rank)
         if result is not None:
-            out.displays = list(result.displays.get(rank, []))
             data = result.result_data.get(rank) or {}
             out.result = {"data": data, "metadata": {}} if data else None
     return outputs
@@ -59,8 +83,7 @@ def ranks_label(ranks: list[int]) -> str:
 
 
 def _tagged(text: str, tag: str) -> str:
-    lines = text.splitlines()
-    return "".join(f"{tag}{line}\n" for line in lines)
+    return "".join(f"{tag}{line.text}\n" for line in final_lines(text))
 
 
 @dataclass
@@ -68,6 +91,8 @@ class _HeldLine:
     text: str
     ranks: list[int]
     since: float
+    #: written as it is, not matched with other ranks' lines (a progress line)
+    verbatim: bool = False
 
 
 class StderrLines:
@@ -111,6 +136,13 @@ class StderrLines:
         self._release(shown, everything=False)
         self._show(shown)
 
+    def add_verbatim(self, rank: int, text: str) -> None:
+        """Write ``text`` (one line, without ``"\\n"``) as it is, after what is held."""
+        self._held.append(_HeldLine(text, [rank], self._clock(), verbatim=True))
+        shown: list[str] = []
+        self._release(shown, everything=False)
+        self._show(shown)
+
     def flush(self) -> None:
         for rank, rest in sorted(self._partial.items()):
             self._hold(rank, rest)
@@ -126,7 +158,7 @@ class StderrLines:
                 start = index + 1
                 break
         for held in self._held[start:]:
-            if held.text == text:
+            if held.text == text and not held.verbatim:
                 held.ranks.append(rank)
                 return
         self._held.append(_HeldLine(text, [rank], self._clock()))
@@ -137,26 +169,36 @@ class StderrLines:
         while self._held:
             head = self._held[0]
             due = (
-                self._ranks <= set(head.ranks)
+                head.verbatim
+                or self._ranks <= set(head.ranks)
                 or now - head.since >= self._hold_s
                 or len(self._held) > self._max_held
             )
             if not (everything or due):
                 break
             self._held.pop(0)
-            shown.append(f"[{ranks_label(sorted(head.ranks))}:stderr] {head.text}\n")
+            if head.verbatim:
+                shown.append(f"{head.text}\n")
+            else:
+                shown.append(f"[{ranks_label(sorted(head.ranks))}:stderr] {head.text}\n")
 
     def _show(self, shown: list[str]) -> None:
         if shown:
             self._write("".join(shown))
 
 
-def _grouped_stderr(outputs: list[RankOutput]) -> str:
-    """Every rank's whole stderr, identical lines once with their ranks."""
+def _grouped_stderr(outputs: list[RankOutput], progress_of: int | None = None) -> str:
+    """Every rank's whole stderr, identical lines once with their ranks; progress lines
+    in their final state, untagged, of rank ``progress_of`` only (``None``: tagged as the
+    other lines, of every rank)."""
     text: list[str] = []
     lines = StderrLines([o.rank for o in outputs], text.append, hold_s=math.inf)
     for out in outputs:
-        lines.add(out.rank, out.stderr)
+        for line in final_lines(out.stderr):
+            if not line.rewritten or progress_of is None:
+                lines.add(out.rank, line.text + "\n")
+            elif out.rank == progress_of:
+                lines.add_verbatim(out.rank, line.text)
     lines.flush()
     return "".join(text)
 
@@ -189,6 +231,41 @@ class Display:
 
         publish_display_data(data=content.get("data", {}), metadata=content.get("metadata", {}))
 
+    def bar(self, tag: str, state: BarState) -> None:
+        """A rank's ``tqdm.auto`` bar in its last state: a widget bar in a Jupyter kernel,
+        a line of text elsewhere."""
+        from fsdp_interactive.notebook._live_output import WidgetBar, in_kernel
+
+        if in_kernel():
+            WidgetBar(tag, state)
+        else:
+            self.stderr(f"{tag}{state.text}\n")
+
+
+def _kept(bars: list[BarState]) -> list[BarState]:
+    """The bars whose last state stays shown (not those closed with ``leave=False``)."""
+    return [bar for bar in bars if bar.leave or not bar.closed]
+
+
+def _displayed(out: RankOutput) -> str:
+    return repr([d.get("data") for d in out.displays])
+
+
+def other_output_note(printed: list[int], displayed: list[int]) -> str:
+    """The line that says which ranks printed or displayed what the default hides
+    ("" when none did)."""
+    both = sorted(set(printed) & set(displayed))
+    parts = [f"{ranks_label(both)} printed and displayed other output"] if both else []
+    only_printed = sorted(set(printed) - set(both))
+    only_displayed = sorted(set(displayed) - set(both))
+    if only_printed:
+        parts.append(f"{ranks_label(only_printed)} printed other output")
+    if only_displayed:
+        parts.append(f"{ranks_label(only_displayed)} displayed other output")
+    if not parts:
+        return ""
+    return f"[{', '.join(parts)}; %%fsdp --group-outputs rank shows every rank]\n"
+
 
 def show_outputs(
     outputs: dict[int, RankOutput],
@@ -196,7 +273,8 @@ def show_outputs(
     streamed: bool,
     display: Display | None = None,
 ) -> None:
-    """Show a finished cell's outputs; text that was streamed is not shown again."""
+    """Show a finished cell's outputs; what was streamed (text, bars, and by default the
+    lowest rank's displays) is not shown again."""
     shown = display or Display()
     ordered = [outputs[r] for r in sorted(outputs)]
     if not ordered:
@@ -204,16 +282,22 @@ def show_outputs(
     if group_outputs is None:
         first = ordered[0]
         if not streamed:
-            shown.stdout(first.stdout)
-            shown.stderr(_grouped_stderr(ordered))
-        different = [o.rank for o in ordered[1:] if o.stdout != first.stdout and o.stdout]
-        if different:
-            shown.stdout(
-                f"[{ranks_label(different)} printed other output; "
-                "%%fsdp --group-outputs rank shows every rank]\n"
-            )
-        for content in first.displays:
-            shown.rich(content)
+            shown.stdout(final_text(first.stdout))
+            shown.stderr(_grouped_stderr(ordered, progress_of=first.rank))
+            for bar in _kept(first.bars):
+                shown.bar("", bar)
+        printed = [
+            o.rank
+            for o in ordered[1:]
+            if plain_text(o.stdout) and plain_text(o.stdout) != plain_text(first.stdout)
+        ]
+        displayed = [
+            o.rank for o in ordered[1:] if o.displays and _displayed(o) != _displayed(first)
+        ]
+        shown.stdout(other_output_note(printed, displayed))
+        if not streamed:
+            for content in first.displays:
+                shown.rich(content)
         if first.result:
             shown.rich(first.result)
         return
@@ -223,6 +307,8 @@ def show_outputs(
             if not streamed:
                 shown.stdout(_tagged(out.stdout, f"[{label}] "))
                 shown.stderr(_tagged(out.stderr, f"[{label}:stderr] "))
+                for bar in _kept(out.bars):
+                    shown.bar(f"[{label}] ", bar)
             if out.displays or out.result:
                 shown.stdout(f"[{label}: output]\n")
             for content in out.displays:
@@ -231,9 +317,12 @@ def show_outputs(
                 shown.rich(out.result)
         return
     if not streamed:
-        for ranks, out in _groups(ordered, lambda o: o.stdout):
+        for ranks, out in _groups(ordered, lambda o: final_text(o.stdout)):
             shown.stdout(_tagged(out.stdout, f"[{ranks_label(ranks)}] "))
         shown.stderr(_grouped_stderr(ordered))
+        for out in ordered:
+            for bar in _kept(out.bars):
+                shown.bar(f"[rank {out.rank}] ", bar)
     if group_outputs == "order":
         depth = max(len(o.displays) for o in ordered)
         for index in range(depth):
@@ -243,7 +332,7 @@ def show_outputs(
                 shown.stdout(f"[{ranks_label(ranks)}: output {index}]\n")
                 shown.rich(out.displays[index])
     else:
-        for ranks, out in _groups(ordered, lambda o: repr([d.get("data") for d in o.displays])):
+        for ranks, out in _groups(ordered, _displayed):
             if out.displays:
                 shown.stdout(f"[{ranks_label(ranks)}: output]\n")
             for content in out.displays:
@@ -252,51 +341,3 @@ def show_outputs(
         if out.result:
             shown.stdout(f"[{ranks_label(ranks)}: result]\n")
             shown.rich(out.result)
-
-
-class StreamSink:
-    """``on_output`` for ``Pool.run``: keeps every rank's text and, when live, prints it.
-
-    Live printing shows what the chosen display shows, as it arrives: by default the
-    lowest targeted rank's stdout untagged; with a grouping, every rank's stdout lines
-    tagged ``[rank N]``; in both, the stderr of ``ranks`` grouped line by line
-    (:class:`StderrLines`).  ``text(rank, name)`` is everything received.
-    """
-
-    def __init__(self, ranks: list[int], all_ranks: bool, live: bool = True):
-        from fsdp_interactive.pool import TaggedPrinter
-
-        self.first_rank = min(ranks)
-        self.all_ranks = all_ranks
-        self.live = live
-        self._received: dict[tuple[int, str], list[str]] = {}
-        self._tagged = TaggedPrinter()
-        self._stderr = StderrLines(ranks, self._write_stderr)
-
-    @staticmethod
-    def _write_stderr(text: str) -> None:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-    def __call__(self, rank: int, name: str, text: str) -> None:
-        self._received.setdefault((rank, name), []).append(text)
-        if not self.live:
-            return
-        if name == "stderr":
-            self._stderr.add(rank, text)
-            return
-        if not self.all_ranks:
-            if rank == self.first_rank:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            return
-        self._tagged(rank, name, text)
-
-    def text(self, rank: int, name: str) -> str:
-        return "".join(self._received.get((rank, name), []))
-
-    def flush(self) -> None:
-        if self.live:
-            self._tagged.flush()
-            self._stderr.flush()
-            sys.stdout.flush()

@@ -28,9 +28,12 @@ class CheckpointPanel(View):
 
     ``root`` is the folder holding one sub-folder per checkpoint (as seen by the ranks).
     Every button is also a call: ``save(name, step, asynchronous)``, ``poll()`` /
-    ``wait()`` for an async save, ``refresh()``, ``load(name)`` and
-    ``delete(name, confirm=True)``.  ``keep_last`` is passed to every save.  Not done:
-    resuming data loaders or schedulers (put their state into ``extra``).
+    ``wait()`` for an async save, ``refresh()``, ``select(name)``, ``load(name)`` and
+    ``delete(name, confirm=True)``.  ``selected`` is the checkpoint the dropdown shows and
+    ``load()`` without a name loads: the newest at first, then the one just saved (after a
+    save, Load loads what was saved, whatever its step) or the one picked.  ``keep_last``
+    is passed to every save.  Not done: resuming data loaders or schedulers (put their
+    state into ``extra``).
     """
 
     def __init__(self, source: RankModel, root: str, keep_last: int | None = None):
@@ -42,6 +45,7 @@ class CheckpointPanel(View):
         self.root = root
         self.keep_last = keep_last
         self.records: list[Any] = []
+        self.selected: str | None = None
         self.status = ""
         self.error: ErrorNote | None = None
         self.pending: str | None = None
@@ -51,12 +55,26 @@ class CheckpointPanel(View):
     # ------------------------------------------------------------------ calls
 
     def refresh(self) -> list[Any]:
-        """List the published checkpoints (oldest first), as rank 0 sees the folder."""
+        """List the published checkpoints (oldest first), as rank 0 sees the folder.
+
+        The selection stays where it was while that checkpoint is listed, else moves to the
+        newest (None when there is none).
+        """
         self.records = self.source.evaluate(
             f"_fsdp_interactive_checkpoint.list_checkpoints({self.root!r})", targets=[0]
         )[0]
+        names = [r.name for r in self.records]
+        if self.selected not in names:
+            self.selected = names[-1] if names else None
         self._changed()
         return self.records
+
+    def select(self, name: str) -> Any:
+        """Select the published checkpoint ``name`` (what ``load()`` loads); its record."""
+        record = self._record(name)
+        self.selected = name
+        self._changed()
+        return record
 
     def _path(self, name: str) -> str:
         if not name or "/" in name or name.startswith("."):
@@ -91,6 +109,7 @@ class CheckpointPanel(View):
         if not asynchronous:
             result = self.source.evaluate(f"_fsdp_interactive_checkpoint.save({arguments})")[0]
             self.status = f"saved {name}: {human_bytes(result.size_bytes)} in {result.seconds:.2f}s"
+            self.selected = name
             self.refresh()
             return result
         self.source.pool.run(
@@ -98,6 +117,7 @@ class CheckpointPanel(View):
             f"{_HANDLE} = _fsdp_interactive_checkpoint.async_save({arguments})\n"
             "del _fsdp_interactive_checkpoint\n",
             stream=False,
+            journal=False,
         )
         self.pending = name
         self._pending_started = time.monotonic()
@@ -132,14 +152,22 @@ class CheckpointPanel(View):
             self.pending = None
             self._changed()
             raise
-        self.source.pool.run(f"del {_HANDLE}", stream=False)
+        self.source.pool.run(f"del {_HANDLE}", stream=False, journal=False)
         self.pending = None
         self.status = f"saved {name}: {human_bytes(result.size_bytes)} in {result.seconds:.2f}s"
+        self.selected = name
         self.refresh()
         return result
 
-    def load(self, name: str, strict: bool = True) -> Any:
-        """Load checkpoint ``name`` into the model (and optimizer) on every rank."""
+    def load(self, name: str | None = None, strict: bool = True) -> Any:
+        """Load checkpoint ``name`` (default: the selected one) into the model (and
+        optimizer) on every rank."""
+        if name is None:
+            name = self.selected
+            if name is None:
+                raise ValueError(
+                    f"no checkpoint in {self.root} to load; save one first: save(step=N)"
+                )
         self._record(name)
         model = self.source.model
         optimizer = self.source.optimizer or "None"
@@ -248,8 +276,9 @@ class CheckpointPanel(View):
         self._refresh_button = w.Button(
             description="Refresh", icon="refresh", layout=w.Layout(width="auto", **fixed)
         )
+        self._choice.observe(self._on_choice, names="value")
         self._save_button.on_click(lambda _: self._guard(self._click_save))
-        self._load_button.on_click(lambda _: self._guard(lambda: self.load(self._choice.value)))
+        self._load_button.on_click(lambda _: self._guard(self._click_load))
         self._delete_button.on_click(lambda _: self._guard(self._click_delete))
         self._refresh_button.on_click(lambda _: self._guard(self.refresh))
         return w.VBox(
@@ -283,8 +312,20 @@ class CheckpointPanel(View):
             while not self.poll():
                 time.sleep(0.2)
 
+    def _on_choice(self, change: dict[str, Any]) -> None:
+        if not self._syncing and change["new"] is not None and change["new"] != self.selected:
+            self._guard(lambda: self.select(change["new"]))
+
+    _syncing = False
+
+    def _click_load(self) -> None:
+        if self.selected is None:
+            self._refuse("no checkpoint is selected")
+            return
+        self.load(self.selected)
+
     def _click_delete(self) -> None:
-        name = self._choice.value
+        name = self.selected
         if name is None:
             self._refuse("no checkpoint is selected")
             return
@@ -316,10 +357,14 @@ class CheckpointPanel(View):
         else:
             self._status.value = html.escape(self.status)
         names = [r.name for r in self.records]
-        if list(self._choice.options) != names:
-            self._choice.options = names
-        if self._choice.value not in names:
-            self._choice.value = names[-1] if names else None
+        self._syncing = True  # the dropdown follows ``selected``; it does not set it here
+        try:
+            if list(self._choice.options) != names:
+                self._choice.options = names
+            if self._choice.value != self.selected:
+                self._choice.value = self.selected
+        finally:
+            self._syncing = False
         finished = self.pending is None and self.status.startswith("saved")
         self._progress.value = 1 if finished else 0
         self._progress.bar_style = "success" if finished else "info"

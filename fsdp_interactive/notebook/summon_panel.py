@@ -159,7 +159,9 @@ class SummonPanel(View):
         self._image = png_image()
         self._expression = w.Text(placeholder="x[0] = 0   or   x * 0.5", description="edit")
         self._apply_button = w.Button(description="Apply", icon="pencil")
-        self._confirm_button = w.Button(description="Confirm", button_style="danger")
+        # Neutral and disabled until an edit waits for confirmation, red only then: a red
+        # button reads as the thing to click.
+        self._confirm_button = w.Button(description="Confirm", disabled=True, button_style="")
         self._cancel_button = w.Button(description="Cancel")
         self._status = w.HTML()
         self._apply_button.on_click(lambda _: self.request(self._expression.value))
@@ -217,6 +219,7 @@ class SummonPanel(View):
         editable = self.fqn in self.params
         self._apply_button.disabled = not editable
         self._confirm_button.disabled = self.pending is None
+        self._confirm_button.button_style = "" if self.pending is None else "danger"
         self._cancel_button.disabled = self.pending is None
         if self.error is not None:
             self._status.value = self.error.html("edit failed: ")

@@ -1,12 +1,18 @@
 """Per-rank output of a run: streaming it tagged by rank, and the result object.
 
-While a run is in flight the pool polls each rank's captured stdout/stderr (which the
-ipyparallel client accumulates as the engines publish it) and hands every new chunk to
-an output sink ``sink(rank, stream_name, text)``. The default sink, :class:`TaggedPrinter`,
-prints complete lines prefixed with ``[rank N]`` (stderr lines go to ``sys.stderr``
-with ``[rank N:stderr]``); it prints from the calling thread, so in a notebook the text
-lands in the cell that started the run. :class:`OutputPump` does the polling for one set
-of in-flight calls.
+While a run is in flight the pool hands what the ranks publish (:mod:`._call_output`) to
+an output sink: ``sink(rank, stream_name, text)`` for each chunk of stdout or stderr, as
+the rank wrote it (carriage returns included), and ``sink.display(rank, display)`` for
+each display or display update (a :class:`RankDisplay`), when the sink has such a
+method. :class:`OutputPump` does this for one set of in-flight calls.
+
+The default sink, :class:`TaggedPrinter`, prints complete lines prefixed with
+``[rank N]`` (stderr lines go to ``sys.stderr`` with ``[rank N:stderr]``); it prints
+from the calling thread, so in a notebook the text lands in the cell that started the
+run. A line a rank rewrites with carriage returns (a ``tqdm`` bar, ``print(...,
+end="\\r")``) moves in place on the stream's last line, tagged the same, and is printed
+in its final state when it ends; so are the bars of ``tqdm.auto`` (displays under
+:data:`fsdp_interactive._bar_state.MIME`). Other displays are collected, not printed.
 """
 
 from __future__ import annotations
@@ -16,57 +22,69 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from fsdp_interactive._bar_state import MIME, bar_of
+from fsdp_interactive._lines import LineBuffer, final_text
+from fsdp_interactive._status_line import StatusLines
+from fsdp_interactive.pool._call_output import (
+    CallOutput,
+    RankDisplay,
+    RankText,
+    received_metadata,
+)
+
 OutputSink = Callable[[int, str, str], None]
 
-_STREAMS = ("stdout", "stderr")
-
-
-def received_metadata(handle: Any) -> dict[str, Any]:
-    """A single-engine AsyncResult's metadata dict, as received.
-
-    ``AsyncResult.metadata`` parses every timestamp field with dateutil on each access
-    until all have arrived, which costs more than a short call's whole round trip; only
-    the output fields are read here, so the received dict is used as it is.
-
-    ``AsyncResult._metadata`` is ipyparallel's private list of received dicts (checked on
-    ipyparallel 9.0 and 9.2.0); were it gone or shaped otherwise, the public
-    ``metadata`` is read instead.
-    """
-    received = getattr(handle, "_metadata", None)
-    if isinstance(received, list) and len(received) == 1 and isinstance(received[0], dict):
-        return received[0]
-    return handle.metadata
+__all__ = [
+    "OutputPump",
+    "OutputSink",
+    "RankDisplay",
+    "RunResult",
+    "TaggedPrinter",
+    "received_metadata",
+    "run_result",
+]
 
 
 class OutputPump:
-    """Hands the output that ranks' in-flight calls produced since the last call to a sink.
+    """Hands what the ranks' in-flight calls published since the last call to a sink.
 
     ``handles`` maps rank -> single-engine AsyncResult. Each call of the pump passes every
-    new chunk of each rank's stdout and stderr to ``sink(rank, stream, text)``.
+    new chunk of each rank's stdout and stderr to ``sink(rank, stream, text)``, and every
+    display to ``sink.display(rank, display)`` if the sink has that method (displays are
+    dropped otherwise), each rank's in the order the rank published them. :meth:`close`
+    ends the subscription once the calls are done.
     """
 
     def __init__(self, handles: Mapping[int, Any], sink: OutputSink) -> None:
-        self._handles = handles
+        self._output = CallOutput(handles)
         self._sink = sink
-        self._seen: dict[tuple[int, str], int] = {}
+        self._display: Callable[[int, RankDisplay], None] | None = getattr(sink, "display", None)
 
     def __call__(self) -> None:
-        for rank, handle in self._handles.items():
-            metadata = received_metadata(handle)
-            for name in _STREAMS:
-                text = metadata[name]
-                seen = self._seen.get((rank, name), 0)
-                if len(text) > seen:
-                    self._seen[(rank, name)] = len(text)
-                    self._sink(rank, name, text[seen:])
+        for rank, item in self._output.take():
+            if isinstance(item, RankText):
+                self._sink(rank, item.name, item.text)
+            elif self._display is not None:
+                self._display(rank, item)
+
+    def close(self) -> None:
+        self._output.close()
 
 
 class TaggedPrinter:
-    """Prints whole lines tagged by rank; ``flush()`` ends partial lines."""
+    """Prints whole lines tagged by rank; progress lines and ``tqdm.auto`` bars move in
+    place (``live``; otherwise they are printed in their final state only); ``flush()``
+    ends partial lines and live ones."""
 
-    def __init__(self, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+    def __init__(
+        self, stdout: TextIO | None = None, stderr: TextIO | None = None, *, live: bool = True
+    ) -> None:
         self._files = {"stdout": stdout, "stderr": stderr}
-        self._partial: dict[tuple[int, str], str] = {}
+        self._live = live
+        self._buffers: dict[tuple[int, str], LineBuffer] = {}
+        self._moving: set[tuple[int, str]] = set()
+        self._bars: dict[tuple[int, str], str] = {}  # (rank, display id) -> last text
+        self._status = StatusLines(self._file)
 
     def _file(self, name: str) -> TextIO:
         chosen = self._files.get(name)
@@ -79,20 +97,59 @@ class TaggedPrinter:
         return f"[rank {rank}] " if name == "stdout" else f"[rank {rank}:{name}] "
 
     def __call__(self, rank: int, name: str, text: str) -> None:
-        buffered = self._partial.pop((rank, name), "") + text
-        *lines, rest = buffered.split("\n")
-        if rest:
-            self._partial[(rank, name)] = rest
-        if lines:
-            out = self._file(name)
-            out.write("".join(f"{self.tag(rank, name)}{line}\n" for line in lines))
-            out.flush()
+        key = (rank, name)
+        buffer = self._buffers.setdefault(key, LineBuffer())
+        tag = self.tag(rank, name)
+        plain = buffer.feed_plain(text) if key not in self._moving else None
+        if plain is not None:  # the common chunk: whole lines, no carriage return
+            if plain:
+                self._status.write(
+                    name, "".join(f"{tag}{line}\n" for line in plain.split("\n")[:-1])
+                )
+            return
+        done: list[str] = []
+        for line in buffer.feed(text):
+            if key in self._moving:
+                self._moving.discard(key)
+                self._status.end((rank, "line", name), name, tag + line.text)
+            else:
+                done.append(f"{tag}{line.text}\n")
+        if done:
+            self._status.write(name, "".join(done))
+        current = buffer.current()
+        if self._live and current is not None and current.rewritten:
+            self._moving.add(key)
+            self._status.update((rank, "line", name), name, tag + current.text)
+
+    def display(self, rank: int, shown: RankDisplay) -> None:
+        """A ``tqdm.auto`` bar's state moves in place like a progress line; other
+        displays are not printed."""
+        state = bar_of(shown.data)
+        if state is None or shown.display_id is None:
+            return
+        key = (rank, "bar", shown.display_id)
+        text = f"[rank {rank}] {state.text}"
+        self._bars[(rank, shown.display_id)] = text
+        if state.closed:
+            del self._bars[(rank, shown.display_id)]
+            self._status.end(key, "stderr", text if state.leave else None)
+        elif self._live:
+            self._status.update(key, "stderr", text)
 
     def flush(self) -> None:
-        for (rank, name), rest in sorted(self._partial.items()):
-            self._file(name).write(f"{self.tag(rank, name)}{rest}\n")
-            self._file(name).flush()
-        self._partial.clear()
+        for key in sorted(self._buffers):
+            line = self._buffers[key].flush()
+            rank, name = key
+            if key in self._moving:
+                self._moving.discard(key)
+                final = self.tag(rank, name) + line.text if line is not None else None
+                self._status.end((rank, "line", name), name, final)
+            elif line is not None:
+                self._status.write(name, f"{self.tag(rank, name)}{line.text}\n")
+        for (rank, display_id), text in sorted(self._bars.items()):
+            self._status.end((rank, "bar", display_id), "stderr", text)
+        self._bars.clear()
+        self._status.close()
 
 
 @dataclass
@@ -100,11 +157,13 @@ class RunResult:
     """What a finished :meth:`Pool.run` returns.
 
     ``ranks``: the ranks it ran on, in order; ``stdout``/``stderr``: full captured text
-    per rank; ``results``: per rank, the ``text/plain`` form of the cell's last
+    per rank, each line as it finally showed (a line rewritten with carriage returns, a
+    progress bar, in its last state); ``results``: per rank, the ``text/plain`` form of the cell's last
     expression value (``None`` when the cell ended with a statement);
     ``result_data``: the full MIME bundle of that value (``{}`` when none);
     ``displays``: per rank, the ``display_data`` contents (``{"data": ..., "metadata":
-    ...}``) the code published, e.g. figures; ``elapsed``: seconds from submission to
+    ...}``) the code published, e.g. figures, as first published (``tqdm.auto`` bars are
+    not among them: their states are drawn while the run streams); ``elapsed``: seconds from submission to
     the last rank finishing. Displays are collected, not shown: showing them is the
     notebook front's choice.
     """
@@ -126,7 +185,7 @@ class RunResult:
 
     def show(self, file: TextIO | None = None) -> None:
         """Print every rank's stdout and stderr, tagged, grouped by rank."""
-        printer = TaggedPrinter(stdout=file, stderr=file)
+        printer = TaggedPrinter(stdout=file, stderr=file, live=False)
         for rank in self.ranks:
             printer(rank, "stdout", self.stdout.get(rank, ""))
             printer(rank, "stderr", self.stderr.get(rank, ""))
@@ -146,13 +205,14 @@ def run_result(handles: Mapping[int, Any], elapsed: float) -> RunResult:
     result = RunResult(ranks=list(handles), elapsed=elapsed)
     for rank, handle in handles.items():
         metadata = received_metadata(handle)
-        result.stdout[rank] = metadata["stdout"]
-        result.stderr[rank] = metadata["stderr"]
+        result.stdout[rank] = final_text(metadata["stdout"])
+        result.stderr[rank] = final_text(metadata["stderr"])
         execute_result = metadata.get("execute_result") or {}
         result.results[rank] = plain_result(execute_result)
         result.result_data[rank] = dict(execute_result.get("data") or {})
         result.displays[rank] = [
             {"data": out.get("data", {}), "metadata": out.get("metadata", {})}
             for out in metadata.get("outputs", [])
+            if MIME not in (out.get("data") or {})
         ]
     return result

@@ -29,8 +29,14 @@ def test_to_full_and_from_full_round_trip(ranks2, tmp_path, capsys):
     trained = ranks2.run(_train_and_save, str(tmp_path))[0]
 
     assert main(["checkpoint", "list", str(tmp_path)]) == 0
-    listing = capsys.readouterr().out
-    assert "step-1" in listing and "world size" in listing
+    header, rule, row = capsys.readouterr().out.splitlines()
+    # The package's one table format: left-aligned columns two spaces apart, a dashed rule.
+    assert header.startswith("name    step  world size  created (UTC)  ")
+    assert [h.strip() for h in header.split("  ") if h] == [
+        "name", "step", "world size", "created (UTC)", "size", "optimizer"
+    ]  # fmt: skip
+    assert rule.startswith("------  ----  ----------  ---------") and set(rule) == {"-", " "}
+    assert row.startswith("step-1  1     2           20") and row.endswith("  yes")
 
     st_file, pt_file = tmp_path / "full.safetensors", tmp_path / "full.pt"
     assert main(["checkpoint", "to-full", str(tmp_path / "step-1"), str(st_file)]) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
 import pytest
@@ -112,3 +114,45 @@ def test_plain_copy_gathers_tensors_and_refuses_modules_and_big_values(ranks2):
         assert ok and weight_ok
         assert "is a module" in errors[0]
         assert "too large to pull: w is 60 bytes" in errors[1]
+
+
+PulledPair = collections.namedtuple("PulledPair", "weight note")
+
+
+@dataclasses.dataclass
+class PulledRecord:
+    bias: torch.Tensor
+    tags: frozenset
+
+
+def _pull_nested():
+    from fsdp_interactive.inspect import plain_copy
+
+    model, reference = sharded_and_reference()
+    pulled = plain_copy(
+        {
+            "pair": PulledPair(model.embed.weight, "n"),
+            "record": PulledRecord(model.embed.bias, frozenset({"a"})),
+            "both": [model.embed.weight, model.embed.weight],
+        }
+    )
+    pair, record = pulled["pair"], pulled["record"]
+    try:
+        plain_copy({"params": {model.embed.weight}})
+        refused = None
+    except TypeError as error:
+        refused = str(error)
+    return {
+        "types": (type(pair).__name__, type(record).__name__, type(pair.weight), type(record.bias)),
+        "pair": torch.equal(pair.weight, reference.embed.weight),
+        "record": torch.equal(record.bias, reference.embed.bias) and record.tags == {"a"},
+        "tied": pulled["both"][0] is pulled["both"][1],
+        "set": refused,
+    }
+
+
+def test_plain_copy_gathers_dtensors_inside_namedtuples_and_dataclasses(ranks2):
+    for result in ranks2.run(_pull_nested):
+        assert result["types"] == ("PulledPair", "PulledRecord", torch.Tensor, torch.Tensor)
+        assert result["pair"] and result["record"] and result["tied"]
+        assert "value['params']{item 0} is a DTensor inside a set" in result["set"]

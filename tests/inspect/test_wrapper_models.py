@@ -56,7 +56,7 @@ def test_probes_work_on_the_wrapper(ranks2):
 
 
 def _summoned_units():
-    """Which units summon_stats/edit_param gather, for a nested unit's parameter and a root's."""
+    """Which units summon_stats/edit_param gather: a nested unit's parameter, a root's."""
     from fsdp_interactive.inspect import _summon
 
     model, reference = wrapped_and_reference()
@@ -91,11 +91,11 @@ def _summoned_units():
     )
 
 
-def test_a_probe_of_one_parameter_gathers_only_the_unit_that_owns_it(ranks2):
+def test_stats_gather_no_unit_and_an_edit_only_the_unit_that_owns_it(ranks2):
     for nested, root, stats, truth, edited, untouched in ranks2.run(_summoned_units):
-        # The block is a nested unit: its parameter needs its unit alone, not the root's.
-        assert nested == ["_fsdp_wrapped_module.block"], nested
-        # edit_param gathers the root unit twice (the edit, then the new stats), nothing else.
-        assert root == ["", ""], root
+        # Statistics are taken on the shards: no unit is gathered for them.
+        assert nested == [], nested
+        # edit_param gathers the root unit once, for the edit (its new stats, none).
+        assert root == [""], root
         assert stats == pytest.approx(truth, rel=1e-9)
         assert edited and untouched

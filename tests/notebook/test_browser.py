@@ -1,5 +1,6 @@
 """JupyterLab in headless Chromium: run the layout and grad-norm widgets, check the DOM,
-and answer a rank's breakpoint through the notebook's input box.
+answer a rank's breakpoint through the notebook's input box, and watch a rank's
+``tqdm.auto`` bar and a plain ``tqdm`` bar move while their cell runs.
 
 Needs Debian's ``chromium`` (``apt-get install chromium``), ``jupyterlab`` and
 ``playwright`` (both in the ``dev`` extra); without them the test is skipped with the
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+from tests.notebook.gates import gated_loop
 
 CHROMIUM = (
     os.environ.get("FSDPI_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -60,6 +63,25 @@ CELLS = [
     "fsdp_interactive.breakpoint(rank=1)\nprint('after the breakpoint:', probe_value)",
     "%fsdp stop\nprint('pool stopped')",
 ]
+
+#: Steps of the live bars; each step waits for a gate file that the test opens once the
+#: page shows the bar at that step (so a bar drawn only at the end never opens one).
+BAR_STEPS = 4
+
+
+def bar_cells(gates: Path) -> list[str]:
+    """Cells with a ``tqdm.auto`` bar and a plain ``tqdm`` bar, streamed (the server runs
+    with IPP_NONINTERACTIVE=1, which makes ``--no-stream`` the default)."""
+    auto = "auto_tqdm(RANGE, desc='live widget bar', mininterval=0)"
+    plain = "tqdm(RANGE, desc='live text bar', mininterval=0)"
+    return [
+        "%%fsdp --stream\n"
+        + gated_loop(
+            gates / "auto", BAR_STEPS, auto, setup="from tqdm.auto import tqdm as auto_tqdm"
+        ),
+        "%%fsdp --stream\n"
+        + gated_loop(gates / "plain", BAR_STEPS, plain, setup="from tqdm import tqdm"),
+    ]
 
 
 def _free_port() -> int:
@@ -99,8 +121,12 @@ def lab(tmp_path):
             _missing(f"needs {extra} (pip install '.[browser]')")
     if CHROMIUM is None:
         _missing("needs Debian's chromium (apt-get install chromium)")
+    gates = tmp_path / "gates"
+    for kind in ("auto", "plain"):
+        (gates / kind).mkdir(parents=True)
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    sources = [*CELLS[:-1], *bar_cells(gates), CELLS[-1]]
+    notebook.cells = [nbformat.v4.new_code_cell(src) for src in sources]
     notebook.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3 (ipykernel)",
@@ -165,6 +191,29 @@ def _answer_prompt(page, command: str) -> None:
     box.last.press("Enter")
 
 
+def _follow_bar(page, label: str, gates: Path, widget: bool) -> list[str]:
+    """Open each gate of the bar ``label`` once the page shows the bar at that step; the
+    widths of the widget's progress bar seen at each step (``widget``)."""
+    output = page.locator(".jp-OutputArea-output").filter(has_text=label)
+    widths = []
+    try:
+        for step in range(BAR_STEPS):
+            output.filter(has_text=f"{step}/{BAR_STEPS}").first.wait_for(timeout=180_000)
+            if widget:
+                fill = output.first.locator(".progress-bar")
+                page.wait_for_function(
+                    "([bar, width]) => bar.style.width === width",
+                    arg=[fill.element_handle(), f"{100 * step // BAR_STEPS}%"],
+                    timeout=30_000,
+                )
+                widths.append(fill.evaluate("bar => bar.style.width"))
+            (gates / f"go{step}").touch()
+    finally:
+        for step in range(BAR_STEPS):  # whatever happened, let the cell end
+            (gates / f"go{step}").touch()
+    return widths
+
+
 def test_widgets_render_in_jupyterlab(lab):
     from playwright import sync_api
 
@@ -189,6 +238,10 @@ def test_widgets_render_in_jupyterlab(lab):
             _answer_prompt(page, "p probe_value * 2")
             page.get_by_text("82", exact=True).wait_for(timeout=60_000)
             _answer_prompt(page, "c")
+            # Each step waits for the page to show the previous one: the bars move live.
+            widths = _follow_bar(page, "live widget bar", tmp_path / "gates" / "auto", True)
+            assert widths == [f"{100 * step // BAR_STEPS}%" for step in range(BAR_STEPS)]
+            _follow_bar(page, "live text bar", tmp_path / "gates" / "plain", False)
             stopped = page.locator(".jp-OutputArea-output").filter(has_text="pool stopped")
             stopped.wait_for(timeout=240_000)
             tables = page.locator(".widget-html-content table.fsdp-interactive")
@@ -222,5 +275,13 @@ def test_widgets_render_in_jupyterlab(lab):
             outputs = " ".join(page.locator(".jp-OutputArea-output").all_inner_texts())
             assert "rank 1 stopped; the other ranks wait" in outputs
             assert "after the breakpoint: 40" in outputs
+            # Each bar stays as one output in its final state (the widget: full, green).
+            finished = page.locator(".jp-OutputArea-output").filter(has_text="live widget bar")
+            assert finished.count() == 1
+            assert finished.locator(".progress-bar-success").count() == 1
+            assert finished.locator(".progress-bar").evaluate("b => b.style.width") == "100%"
+            text_bar = page.locator(".jp-OutputArea-output").filter(has_text="live text bar")
+            assert text_bar.count() == 1
+            assert f"{BAR_STEPS}/{BAR_STEPS}" in text_bar.inner_text()
         finally:
             browser.close()

@@ -1,8 +1,14 @@
-"""Grouping of the ranks' stderr lines (no ranks needed: the lines are fed by hand)."""
+"""Grouping of the ranks' stderr lines, progress lines and notes of a finished cell (no ranks
+needed: the lines are fed by hand)."""
 
 from __future__ import annotations
 
-from fsdp_interactive.notebook._cell_output import RankOutput, StderrLines, show_outputs
+from fsdp_interactive.notebook._cell_output import (
+    RankOutput,
+    StderrLines,
+    other_output_note,
+    show_outputs,
+)
 
 
 class Clock:
@@ -92,3 +98,30 @@ def test_a_finished_cell_groups_stderr_line_by_line():
         assert shown.err == (
             "[ranks 0,1:stderr] same\n[rank 0:stderr] mine 0\n[rank 1:stderr] mine 1\n"
         )
+
+
+def test_a_finished_cell_shows_progress_lines_in_their_final_state():
+    outputs = {
+        0: RankOutput(0, stdout="epoch 1\n", stderr="warn\n\rbar  0%\rbar 100%\n"),
+        1: RankOutput(1, stdout="epoch 1\n", stderr="warn\n\rbar  0%\rbar 100% (rank 1)\n"),
+    }
+    shown = Recorded()
+    show_outputs(outputs, None, streamed=False, display=shown)
+    # rank 0's bar, untagged like its prints; rank 1's runs the same loop and is not announced
+    assert shown.err == "[ranks 0,1:stderr] warn\nbar 100%\n"
+    assert shown.out == "epoch 1\n"
+    grouped = Recorded()
+    show_outputs(outputs, "rank", streamed=False, display=grouped)
+    assert "[rank 0:stderr] bar 100%\n" in grouped.err
+    assert "[rank 1:stderr] bar 100% (rank 1)\n" in grouped.err
+    assert "\r" not in grouped.err + grouped.out
+
+
+def test_the_note_names_ranks_that_printed_or_displayed_something_else():
+    assert other_output_note([], []) == ""
+    tail = "; %%fsdp --group-outputs rank shows every rank]\n"
+    assert other_output_note([1], []) == "[rank 1 printed other output" + tail
+    assert other_output_note([], [2, 3]) == "[ranks 2,3 displayed other output" + tail
+    assert other_output_note([1, 2], [2]) == (
+        "[rank 2 printed and displayed other output, rank 1 printed other output" + tail
+    )

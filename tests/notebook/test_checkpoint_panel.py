@@ -96,3 +96,55 @@ def test_async_save_call_form(panel):
     while not panel.poll() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert panel.pending is None and [r.name for r in panel.records] == ["bg"]
+
+
+def set_weights(pool, expression):
+    pool.run(
+        "__import__('fsdp_interactive.inspect', fromlist=['x'])"
+        f".edit_param(ckpt_model, 'embed.weight', {expression!r})",
+        stream=False,
+    )
+
+
+def test_load_after_save_loads_what_was_just_saved(panel):
+    pool = panel.source.pool
+    widget = panel.widget
+    assert panel.selected is None and panel._choice.value is None
+    with pytest.raises(ValueError, match=r"no checkpoint in .* to load; save one first"):
+        panel.load()
+    panel.save(step=5)
+    at_step_5 = weights(pool)
+    assert panel.selected == "step-5"
+
+    # Saved with a lower step, it is listed first, not last: still the one selected.
+    set_weights(pool, "x + 1")
+    fixed = weights(pool)
+    panel._name.value = "fixed"
+    panel._step.value = 2
+    panel._save_button.click()
+    assert [r.name for r in panel.records] == ["fixed", "step-5"]
+    assert panel.selected == "fixed" and panel._choice.value == "fixed"
+    set_weights(pool, "x * 0")
+    panel._load_button.click()
+    assert "loaded fixed (step 2)" in panel._status.value
+    assert torch.equal(weights(pool), fixed)
+
+    # The same through calls: save, then load() with no name.
+    set_weights(pool, "x - 3")
+    again = weights(pool)
+    panel.save("again", step=1)
+    assert panel.selected == "again" and panel._choice.value == "again"
+    set_weights(pool, "x * 0")
+    assert panel.load().step == 1 and torch.equal(weights(pool), again)
+
+    # Picking another: by call (the dropdown follows) or in the dropdown (the panel follows).
+    assert panel.select("step-5").step == 5 and panel._choice.value == "step-5"
+    assert panel.load().step == 5 and torch.equal(weights(pool), at_step_5)
+    panel._choice.value = "fixed"
+    assert panel.selected == "fixed"
+    with pytest.raises(ValueError, match="no checkpoint named 'nope'"):
+        panel.select("nope")
+    # Deleting the selected one selects the newest left.
+    panel.delete("fixed", confirm=True)
+    assert panel.selected == "step-5" and panel._choice.value == "step-5"
+    assert widget is panel.widget

@@ -199,11 +199,12 @@ def test_dashboard_combines_topology_memory_and_views(source, tmp_path):
     assert [m.pid for m in dashboard.memory] == [r.pid for r in source.pool.topology]
     assert all(m.rss_bytes > 0 for m in dashboard.memory)
     widget = dashboard.widget
-    assert [widget.children[1].get_title(i) for i in range(4)] == [
+    assert [widget.children[1].get_title(i) for i in range(5)] == [
         "Ranks",
         "Layout",
         "Gradients",
         "Summon",
+        "Snapshots",
     ]
     # Only the open tab is drawn; a part's widget appears when its tab is selected.
     tabs = widget.children[1]
@@ -251,6 +252,31 @@ def test_a_failing_edit_shows_the_error_line_first_and_only_the_users_frame(sour
     panel._expression.value = "x * 1"
     panel._apply_button.click()
     assert "edit failed" not in panel._status.value  # a new request clears the error
+
+
+def test_confirm_looks_disabled_until_an_edit_waits(source):
+    panel = SummonPanel(source, fqn="embed.weight")
+    assert panel.widget is not None
+    confirm = panel._confirm_button
+
+    def looks() -> tuple[bool, str]:
+        return confirm.disabled, confirm.button_style
+
+    assert looks() == (True, "")  # nothing to confirm: greyed out, not red
+    panel._apply_button.click()  # no expression typed: still nothing to confirm
+    assert looks() == (True, "") and "type an expression first" in panel._status.value
+    panel._expression.value = "x * 1"
+    panel._apply_button.click()
+    assert looks() == (False, "danger")  # an edit waits: red, clickable
+    panel._cancel_button.click()
+    assert looks() == (True, "")
+    panel._apply_button.click()
+    panel._confirm_button.click()
+    assert "applied" in panel._status.value and looks() == (True, "")
+    panel._expression.value = "x.view(-1, 1000003)"
+    panel._apply_button.click()
+    panel._confirm_button.click()  # fails on the ranks: nothing waits any more
+    assert "edit failed" in panel._status.value and looks() == (True, "")
 
 
 def test_summon_panel_filter_narrows_the_tensor_list(source):

@@ -1,0 +1,74 @@
+"""Loops on the ranks that advance only once the notebook side has seen their progress.
+
+A test that says a bar moves *while* a cell runs cannot time it; instead every step of
+the loop waits for a gate file, and the test opens gate ``i`` only when what the kernel
+showed (a terminal's transcript, the kernel's IOPub messages, JupyterLab's page) holds
+step ``i`` of the bar. Were the bar shown only at the end, no gate would open from what
+was seen: a fallback opens the rest after ``fallback_s`` so that the cell ends, and the
+test then finds gates that its observations did not open.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+
+def gated_loop(gates: Path, steps: int, bar: str, body: str = "", setup: str = "") -> str:
+    """Cell code: ``<setup>; for i in <bar>(range(steps)): <body>; wait for gate i``.
+
+    ``bar`` is the loop's iterable expression around ``range(steps)``, e.g.
+    ``"tqdm(RANGE, desc='steps', mininterval=0)"`` (``RANGE`` is replaced by the range);
+    ``mininterval=0`` makes tqdm draw every step (it would skip steps closer than 0.1 s).
+    """
+    iterable = bar.replace("RANGE", f"range({steps})")
+    return (
+        (setup + "\n" if setup else "") + "import os as _os, time as _time\n"
+        f"for i in {iterable}:\n"
+        + "".join(f"    {line}\n" for line in body.splitlines())
+        + f"    while not _os.path.exists({str(gates)!r} + f'/go{{i}}'):\n"
+        "        _time.sleep(0.02)\n"
+    )
+
+
+class Gates:
+    """The gate files of one gated loop of ``steps`` steps, opened by :meth:`observe`.
+
+    ``shown(i)`` is a regular expression that matches what shows step ``i`` (by default
+    ``" i/steps "``, as tqdm prints its count). ``opened_by_sight`` lists the gates that
+    an observation opened, in order.
+    """
+
+    def __init__(self, folder: Path, steps: int, fallback_s: float = 120.0) -> None:
+        self.folder = folder
+        self.steps = steps
+        self.opened_by_sight: list[int] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._fallback = threading.Timer(fallback_s, self.open_all)
+        self._fallback.daemon = True
+        self._fallback.start()
+
+    def pattern(self, step: int) -> re.Pattern[str]:
+        return re.compile(rf"(?<!\d){step}/{self.steps}(?!\d)")
+
+    def observe(self, text: str) -> None:
+        """Open the next gate when ``text`` (something the kernel showed) holds its step."""
+        with self._lock:
+            while self._next < self.steps and self.pattern(self._next).search(text):
+                self.opened_by_sight.append(self._next)
+                self._open(self._next)
+                self._next += 1
+
+    def _open(self, step: int) -> None:
+        (self.folder / f"go{step}").touch()
+
+    def open_all(self) -> None:
+        """Let the loop finish (the fallback, and the end of every test)."""
+        for step in range(self.steps):
+            self._open(step)
+
+    def close(self) -> None:
+        self._fallback.cancel()
+        self.open_all()

@@ -1,0 +1,78 @@
+"""A run's output as the ranks wrote it, through a real 2-rank pool: chunks with carriage
+returns arrive unaltered (or, read from ipyparallel's record, as a carriage return and the
+current line), and the default printer moves a progress line in place."""
+
+from __future__ import annotations
+
+import io
+
+from fsdp_interactive._lines import LineBuffer, final_lines, final_text
+from fsdp_interactive.pool import TaggedPrinter
+from fsdp_interactive.pool._call_output import CallOutput, RankText
+
+COUNTER = (
+    "import sys, time\n"
+    "for i in range(5):\n"
+    "    print(f'step {i}/5', end='\\r', file=sys.stderr, flush=True)\n"
+    "    time.sleep(0.15)\n"
+    "print('finished', rank, file=sys.stderr)\n"
+)
+
+
+def _collect(pool, subscribe: bool) -> dict[int, str]:
+    handles = {
+        rank: view.execute(COUNTER, block=False, silent=False)
+        for rank, view in pool._live.views([0, 1]).items()
+    }
+    output = CallOutput(handles, subscribe=subscribe)
+    received: dict[int, list[str]] = {0: [], 1: []}
+    chunks: dict[int, int] = {0: 0, 1: 0}
+    while not all(handle.ready() for handle in handles.values()):
+        for rank, item in output.take():
+            assert isinstance(item, RankText) and item.name == "stderr"
+            received[rank].append(item.text)
+            chunks[rank] += 1
+        handles[0].wait(0.05)
+    for handle in handles.values():
+        handle.wait_for_output(5)
+    for rank, item in output.take():
+        received[rank].append(item.text)
+    output.close()
+    assert min(chunks.values()) >= 2  # the text came while the ranks ran, in parts
+    return {rank: "".join(parts) for rank, parts in received.items()}
+
+
+def test_subscribed_chunks_are_the_stream_as_written(pool):
+    texts = _collect(pool, subscribe=True)
+    for rank, text in texts.items():
+        assert text == "".join(f"step {i}/5\r" for i in range(5)) + f"finished {rank}\n"
+
+
+def test_chunks_read_from_the_record_rewrite_the_current_line(pool):
+    texts = _collect(pool, subscribe=False)
+    for rank, text in texts.items():
+        buffer = LineBuffer()
+        assert buffer.feed(text) == [line for line in final_lines(text)]
+        assert final_text(text) == f"finished {rank}\n"
+        assert text.count("\r") >= 1  # the rewrites reached the reader as rewrites
+
+
+def test_the_default_printer_moves_a_progress_line_and_ends_it_in_its_last_state(pool):
+    err = io.StringIO()
+    result = pool.run(
+        "from tqdm import tqdm\nimport time\n"
+        "for _ in tqdm(range(4), desc=f'rank {rank}', mininterval=0):\n    time.sleep(0.1)\n",
+        on_output=TaggedPrinter(stdout=err, stderr=err),
+    )
+    transcript = err.getvalue()
+    assert "\r[rank 0:stderr] rank 0:  50%|█████     | 2/4" in transcript
+    shown = [line.text.rstrip() for line in final_lines(transcript) if line.text.strip()]
+    assert sorted(shown) == [
+        line
+        for line in sorted(shown)
+        if line.startswith(("[rank 0:stderr] rank 0: 100%|", "[rank 1:stderr] rank 1: 100%|"))
+    ]
+    assert len(shown) == 2
+    assert (
+        result.stderr[0].startswith("rank 0: 100%|██████████| 4/4") and "\r" not in result.stderr[0]
+    )
