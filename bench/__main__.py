@@ -22,7 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.report import REPO_ROOT, RunInfo, load_results, now_and_load, write_report
+from bench.report import load_results, write_report
+from bench.run_info import REPO_ROOT, RunInfo, now_and_load
 from bench.runner import FigureResult, Settings
 
 # Figure keys in report order; each is a module ``bench.<key>`` with ``run(Settings)``.

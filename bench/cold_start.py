@@ -31,7 +31,7 @@ TORCHRUN_FSDP = "torchrun to a ready group, script importing torch's FSDP"
 FROM_SCRATCH = "Pool(N).start() with engines started from scratch (ipyparallel's launcher)"
 RESTART = "Pool.restart() of a started pool (ours)"
 # Asking for ipyparallel's own way of passing the connection info turns the pool's
-# forked, early-started engines off (see fsdp_interactive.pool._processes).
+# forked, early-started engines off (see fsdp_interactive.pool.processes._launched).
 FROM_SCRATCH_ARGS = {"send_engines_connection_env": True}
 
 

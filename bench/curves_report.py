@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench.formatting import fmt_value
 from bench.growth import describe
 from bench.runner import Comparison, Curve, FigureResult, Stat, median_interval
 
@@ -21,19 +22,13 @@ from bench.runner import Comparison, Curve, FigureResult, Stat, median_interval
 _SECONDS = "s"
 
 
-def _fmt(value: float, unit: str) -> str:
-    from bench.report import fmt_value
-
-    return fmt_value(value, unit)
-
-
 def _signed(value: float, unit: str) -> str:
-    return ("-" if value < 0 else "") + _fmt(abs(value), unit)
+    return ("-" if value < 0 else "") + fmt_value(abs(value), unit)
 
 
 def _fmt_x(x: float, unit: str) -> str:
     if unit:
-        return _fmt(x, unit)
+        return fmt_value(x, unit)
     return f"{x:,.0f}"
 
 
@@ -75,11 +70,11 @@ def growth_sentence(curve: Curve) -> str:
     medians = [v.median for v in curve.values]
     first, last = curve.values[0], curve.values[-1]
     span = (
-        f"{_fmt(first.median, unit)} at {_fmt_x(curve.xs[0], curve.x_unit)} to "
-        f"{_fmt(last.median, unit)} at {_fmt_x(curve.xs[-1], curve.x_unit)} {curve.x_label}"
+        f"{fmt_value(first.median, unit)} at {_fmt_x(curve.xs[0], curve.x_unit)} to "
+        f"{fmt_value(last.median, unit)} at {_fmt_x(curve.xs[-1], curve.x_unit)} {curve.x_label}"
     )
     if len(set(curve.xs)) < 2:
-        return f"{curve.name}: {_fmt(first.median, unit)} (one size only)."
+        return f"{curve.name}: {fmt_value(first.median, unit)} (one size only)."
     growth = describe(curve.xs, medians, [_half_width(v) for v in curve.values])
     per = curve.per
     singular = curve.x_label.rstrip("s") if curve.x_label.endswith("s") else curve.x_label
@@ -89,7 +84,7 @@ def growth_sentence(curve: Curve) -> str:
         per_text = f"per {per:,.0f} {curve.x_label}" if per != 1 else f"per {singular}"
     slope = growth.line.slope * per
     sign = "grows" if slope >= 0 else "falls"
-    text = f"{curve.name}: {sign} {_fmt(abs(slope), unit)} {per_text} ({span})"
+    text = f"{curve.name}: {sign} {fmt_value(abs(slope), unit)} {per_text} ({span})"
     if growth.exponent is not None:
         text += f"; log-log slope {growth.exponent:.2f}"
     if growth.bend is not None:
@@ -143,8 +138,8 @@ def curves_markdown(figures: list[FigureResult], plot_name: str) -> list[str]:
                 stat = curve.values[curve.xs.index(x)]
                 low, high = median_interval(stat.samples)
                 cell = (
-                    f"{_fmt(stat.median, stat.unit)} "
-                    f"[{_fmt(low, stat.unit)}, {_fmt(high, stat.unit)}]"
+                    f"{fmt_value(stat.median, stat.unit)} "
+                    f"[{fmt_value(low, stat.unit)}, {fmt_value(high, stat.unit)}]"
                 )
                 reference = by_name.get(curve.reference or "")
                 comparison = ratio_at(curve, reference, x) if reference else None

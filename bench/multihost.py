@@ -3,17 +3,22 @@
 Needs the simulated hosts of ``tests/multihost/testhosts.py`` (root; ``python -m
 tests.multihost.testhosts --state DIR up``) and ``FSDPI_TESTHOSTS=DIR``. Contenders:
 
-* ``Pool(4).start()`` (ours) with ipyparallel's MPI launcher placing two engines on
-  each host (``mpiexec`` over the hosts' ssh), timed until ``start()`` returns; the pool
-  is stopped (untimed) before the next sample;
+* ``Pool(4).start()`` (ours) with ``engines="ssh"``, two engines on each host: one ssh
+  command per host runs an engine forker there, which imports torch once and forks
+  that host's engines; timed until ``start()`` returns; the pool is stopped (untimed,
+  forkers included) before the next sample;
+* the same with ipyparallel's MPI launcher (``mpiexec`` over the hosts' ssh, each engine
+  a fresh interpreter): the path SLURM and MPI pools take, for comparison;
 * ``torchrun --nnodes 2 --nproc-per-node 2`` with c10d rendezvous on hosta's address,
   one launcher started in each host's namespaces, of ``bench/scripts/noop_rank.py``:
   timed to rank 0's ``READY`` (a usable group) and to both launchers' exit (what a
   relaunch costs);
-* ``Pool.run("pass")`` on a started 2x2 pool (ours): one round trip to every rank.
+* ``Pool.restart()`` of a started 2x2 ssh pool (ours): a fresh group forked from the
+  hosts' forkers, which the restart keeps (what a recovery starts from);
+* ``Pool.run("pass")`` on a started 2x2 ssh pool (ours): one round trip to every rank.
 
-Start samples alternate pool / torchrun; medians with their ranges and paired ratios are
-reported. No target: the figure says what crossing a host costs, next to torchrun.
+Start samples rotate ssh pool / MPI pool / torchrun; medians with their ranges and paired
+ratios are reported. Target: the ssh pool's start at most torchrun's time to a ready group.
 """
 
 from __future__ import annotations
@@ -26,11 +31,22 @@ import time
 from pathlib import Path
 
 from bench.availability import missing
-from bench.runner import Comparison, FigureResult, Settings, Stat, figure_main, measure
+from bench.runner import (
+    Comparison,
+    FigureResult,
+    Settings,
+    Stat,
+    Target,
+    figure_main,
+    measure,
+    rotated,
+)
 from bench.torchrun import NOOP_SCRIPT, Relaunch
 
 HOSTS, PER_HOST = 2, 2
-POOL_START = "Pool(4).start(), 2 hosts x 2 (ours, MPI launcher)"
+POOL_START = "Pool(4).start(), 2 hosts x 2 (ours, ssh: a forker per host)"
+MPI_START = "Pool(4).start(), 2 hosts x 2 (ours, MPI launcher)"
+POOL_RESTART = "Pool.restart() on 2 hosts x 2 (ours, ssh, forkers kept)"
 TORCHRUN_READY = "torchrun --nnodes 2 to a ready group"
 TORCHRUN_TOTAL = "torchrun --nnodes 2 relaunch, launch to exit"
 POOL_RUN = "Pool.run('pass') on 2 hosts x 2 (ours)"
@@ -47,21 +63,18 @@ def host_set():
     return hosts if len(hosts.hosts) >= HOSTS else None
 
 
-def _pool(hosts, profile_dir: str):
+def _pool(hosts, profile_dir: str, launcher: str = "ssh"):
     from fsdp_interactive.pool import Pool
-    from tests.multihost.launchers import mpi_pool_kwargs
+    from tests.multihost.launchers import mpi_pool_kwargs, ssh_pool_kwargs
 
-    return Pool(
-        HOSTS * PER_HOST,
-        devices="cpu",
-        timeout=240,
-        show_topology=False,
-        **mpi_pool_kwargs(hosts, PER_HOST, profile_dir),
+    kwargs = (ssh_pool_kwargs if launcher == "ssh" else mpi_pool_kwargs)(
+        hosts, PER_HOST, profile_dir
     )
+    return Pool(HOSTS * PER_HOST, devices="cpu", timeout=240, show_topology=False, **kwargs)
 
 
-def pool_start_seconds(hosts, profile_dir: str) -> float:
-    pool = _pool(hosts, profile_dir)
+def pool_start_seconds(hosts, profile_dir: str, launcher: str = "ssh") -> float:
+    pool = _pool(hosts, profile_dir, launcher)
     try:
         began = time.perf_counter()
         pool.start()
@@ -147,12 +160,19 @@ def _measure(settings: Settings, hosts) -> FigureResult:
         return result
     reps = 1 if settings.quick else 5
     profile_dir = str(Path(hosts.state_dir) / f"bench-profile-{os.getpid()}")
-    samples: dict[str, list[float]] = {POOL_START: [], TORCHRUN_READY: [], TORCHRUN_TOTAL: []}
+    samples: dict[str, list[float]] = {
+        POOL_START: [],
+        MPI_START: [],
+        TORCHRUN_READY: [],
+        TORCHRUN_TOTAL: [],
+    }
+    contenders = ["ssh", "mpi", "torchrun"]
     for index in range(reps):
-        order = ["pool", "torchrun"] if index % 2 == 0 else ["torchrun", "pool"]
-        for name in order:
-            if name == "pool":
+        for name in rotated(contenders, index):
+            if name == "ssh":
                 samples[POOL_START].append(pool_start_seconds(hosts, profile_dir))
+            elif name == "mpi":
+                samples[MPI_START].append(pool_start_seconds(hosts, profile_dir, "mpi"))
             else:
                 relaunch = torchrun_two_hosts(hosts)
                 samples[TORCHRUN_READY].append(relaunch.ready_s)
@@ -162,6 +182,7 @@ def _measure(settings: Settings, hosts) -> FigureResult:
     pool = _pool(hosts, profile_dir)
     try:
         pool.start()
+        stats[POOL_RESTART] = measure(pool.restart, reps=reps, warmup=0)
         stats[POOL_RUN] = measure(
             lambda: pool.run("pass", stream=False),
             reps=settings.reps * 3,
@@ -171,14 +192,16 @@ def _measure(settings: Settings, hosts) -> FigureResult:
         pool.stop()
     result.measurements.update(stats)
     result.notes.append(
-        f"{reps} start sample(s) per contender, alternated; {settings.reps * 3} Pool.run "
-        "samples after warm-up. Both hosts are network namespaces of one 2-core machine "
+        f"{reps} start sample(s) per contender, rotated; {reps} restart(s) of one ssh pool; "
+        f"{settings.reps * 3} Pool.run samples after warm-up. Both hosts are network namespaces of one 2-core machine "
         "shared with other work: the figures compare, they do not predict a real cluster."
     )
     case = "2 hosts x 2 ranks"
-    for subject, reference, note, inverse in (
-        (POOL_START, TORCHRUN_READY, "start to a ready group", False),
-        (POOL_RUN, TORCHRUN_TOTAL, "how many times faster than a relaunch", True),
+    for subject, reference, note, target, inverse in (
+        (POOL_START, TORCHRUN_READY, "start to a ready group", Target("<=", 1.0), False),
+        (MPI_START, TORCHRUN_READY, "start, MPI launcher (no target)", None, False),
+        (POOL_RESTART, TORCHRUN_READY, "restart from kept forkers (no target)", None, False),
+        (POOL_RUN, TORCHRUN_TOTAL, "how many times faster than a relaunch", None, True),
     ):
         result.comparisons.append(
             Comparison(
@@ -188,10 +211,10 @@ def _measure(settings: Settings, hosts) -> FigureResult:
                 reference_name=reference,
                 subject=stats[subject],
                 reference=stats[reference],
-                target=None,
+                target=target,
                 inverse=inverse,
                 note=note,
-                paired=subject == POOL_START,
+                paired=subject in (POOL_START, MPI_START),
             )
         )
     return result

@@ -11,185 +11,18 @@ as "not available yet" rows without numbers.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
-import subprocess
 import textwrap
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from bench import findings as findings_file
 from bench.curves_report import curves_markdown, render_curves
-from bench.runner import Comparison, FigureResult, Stat
+from bench.formatting import fmt_ratio, fmt_stat, fmt_value, ratio_range, verdict
+from bench.run_info import RunInfo
+from bench.runner import Comparison, FigureResult
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SCALING_PLOT = "benchmarks_scaling.png"
-
-
-@dataclass
-class RunInfo:
-    """When, where and with what a run happened."""
-
-    started: str
-    finished: str
-    quick: bool
-    command: str
-    machine: dict[str, str] = field(default_factory=dict)
-    versions: dict[str, str] = field(default_factory=dict)
-    load_before: str = ""
-    load_after: str = ""
-
-    @classmethod
-    def collect(cls, quick: bool, command: str) -> RunInfo:
-        return cls(
-            started=_now(),
-            finished="",
-            quick=quick,
-            command=command,
-            machine=machine_description(),
-            versions=versions(),
-            load_before=_load(),
-        )
-
-    def finish(self) -> None:
-        self.finished = _now()
-        self.load_after = _load()
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def now_and_load() -> str:
-    """ "2026-12-03 13:10:04 UTC (load average 1.52 1.61 2.03)": when, and how busy."""
-    return f"{_now()} (load average {_load()})"
-
-
-def _load() -> str:
-    try:
-        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
-def machine_description() -> dict[str, str]:
-    import psutil
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "logical cores": str(os.cpu_count()),
-        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
-        "os": f"{platform.system()} {platform.release()}",
-        "gpu": "none (CPU ranks, gloo)",
-    }
-
-
-def versions() -> dict[str, str]:
-    import ipyparallel
-    import torch
-
-    import fsdp_interactive
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "fsdp_interactive", "bench"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        if dirty:
-            commit += " (with uncommitted changes)"
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ipyparallel": ipyparallel.__version__,
-        "fsdp_interactive": f"{fsdp_interactive.__version__}, commit {commit}",
-    }
-
-
-# ---------------------------------------------------------------------------- formatting
-
-
-def fmt_value(value: float, unit: str) -> str:
-    if unit == "s":
-        if value < 1e-3:
-            return f"{value * 1e6:.0f} µs"
-        if value < 1.0:
-            return f"{value * 1e3:.1f} ms"
-        return f"{value:.2f} s"
-    if unit == "B":
-        return f"{value / 2**20:.2f} MiB"
-    if unit == "B/s":
-        return f"{value / 2**20:.0f} MiB/s"
-    return f"{value:.3g} {unit}"
-
-
-def fmt_stat(stat: Stat | None) -> str:
-    if stat is None:
-        return "—"
-    if len(stat.samples) == 1:
-        return fmt_value(stat.median, stat.unit)
-    return (
-        f"{fmt_value(stat.median, stat.unit)} "
-        f"[{fmt_value(stat.min, stat.unit)} to {fmt_value(stat.max, stat.unit)}]"
-    )
-
-
-def fmt_ratio(comparison: Comparison) -> str:
-    if comparison.unavailable:
-        return "not available yet"
-    ratio = comparison.ratio
-    if ratio is None:
-        return "—"
-    if ratio >= 100:
-        return f"{ratio:.0f}x"
-    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.3f}x"
-
-
-def verdict(comparison: Comparison) -> str:
-    """ "met", "**missed**", "unresolved [low, high]" (the noise straddles the target)."""
-    if comparison.unavailable:
-        return "—"
-    outcome = comparison.verdict
-    if outcome is None:
-        return "n/a"
-    if outcome == "unresolved":
-        low, high = comparison.interval or (comparison.ratio, comparison.ratio)
-        return f"unresolved [{low:.3f}, {high:.3f}]"
-    return "met" if outcome == "met" else "**missed**"
-
-
-def ratio_range(comparison: Comparison) -> tuple[float, float] | None:
-    """The widest ratio the samples allow: (low, high), or None without both sides."""
-    s, r = comparison.subject, comparison.reference
-    if s is None or r is None or not s.min or not r.min:
-        return None
-    low, high = s.min / r.max, s.max / r.min
-    if comparison.inverse:
-        low, high = r.min / s.max, r.max / s.min
-    return low, high
 
 
 # ---------------------------------------------------------------------------- markdown

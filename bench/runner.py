@@ -286,7 +286,7 @@ class Curve:
     ``reference`` names another curve of the same panel that this one is divided by,
     point by point where both have an x, and ``target`` is what that ratio should meet
     at every x.  ``x_label`` names the size ("ranks", "parameters", "state size") and
-    ``x_unit`` its unit as :func:`bench.report.fmt_value` knows it ("" for counts, "B").
+    ``x_unit`` its unit as :func:`bench.formatting.fmt_value` knows it ("" for counts, "B").
     ``per`` scales the slope the report states ("per 1,000 parameters": 1000).
     ``paired``: each point's samples were alternated with the reference's.
     """
@@ -426,7 +426,7 @@ def figure_main(run: Callable[[Settings], FigureResult], argv: list[str] | None 
     parser = argparse.ArgumentParser(description=run.__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     args = parser.parse_args(argv)
-    from bench.report import now_and_load
+    from bench.run_info import now_and_load
 
     began = now_and_load()
     result = run(Settings(quick=args.quick))

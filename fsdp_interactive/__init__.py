@@ -9,6 +9,8 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
   (:mod:`fsdp_interactive.pool`), used in the notebook kernel.
 * ``breakpoint(rank=0, commands=None)``: inside a ``%%fsdp`` cell, stop one rank at the
   next line (the others wait) and debug it from the notebook's input box.
+* ``snapshot(model=..., optimizer=..., **stateful)``: on the ranks, keep the training
+  state in host memory (:mod:`fsdp_interactive.checkpoint`), to recover from a fault.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ _LAZY_EXPORTS = {
     "MixedPrecision": "fsdp_interactive.fsdp",
     "StateDictType": "fsdp_interactive.fsdp",
     "Pool": "fsdp_interactive.pool",
-    "breakpoint": "fsdp_interactive.pool._rank_breakpoint",
+    "breakpoint": "fsdp_interactive.pool.rank._breakpoint",
+    "snapshot": "fsdp_interactive.checkpoint",
 }
 
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]

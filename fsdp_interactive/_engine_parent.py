@@ -5,9 +5,11 @@
 ipyparallel's remote launchers cannot tell how an engine ended: the ssh launcher's
 engine is a ``nohup`` orphan whose status nobody collects (its launcher reports -1 for
 any end), and a SLURM job or an ``mpiexec`` reports one status for all ranks. The pool
-therefore starts remote engines under this small parent
-(:mod:`fsdp_interactive.pool._processes` wraps the engine command of the ssh, SLURM, MPI
-and other non-local launchers). It:
+therefore starts such remote engines under this small parent
+(:mod:`fsdp_interactive.pool.processes._launched` wraps the engine command of the SLURM,
+MPI and other launchers, and of ipyparallel's ssh launcher when a config sets its engine
+command; the pool's own ssh engines are forked on their host by an engine forker, which
+reports how each ended). It:
 
 * runs the engine command as its child, with the same standard streams, so the
   engine's output goes where the launcher sends it;

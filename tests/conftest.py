@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,18 @@ def ranks2() -> Iterator[RankGroup]:
 def ranks4() -> Iterator[RankGroup]:
     """Four gloo ranks, started once per test session."""
     yield from _group(4)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a notebook kernel running a cell.
+
+    A shell that starts pytest as a background job (``make test &``, a CI runner without
+    job control) starts it with SIGINT ignored, and Python keeps an inherited SIG_IGN; the
+    tests that press Ctrl-C on this process would then wait for an interrupt that never
+    comes.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

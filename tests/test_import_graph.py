@@ -1,13 +1,17 @@
-"""The whole package's import graph: acyclic, one direction down the layers, rank side plain.
+"""The repository's import graphs: acyclic, one direction down the layers, rank side plain.
 
 Read from the source, so every ``import`` counts, also those inside functions and
 ``TYPE_CHECKING`` blocks (a lazy import is still a dependency a reader has to follow):
 
-* no two modules of the package import each other, directly or around a loop;
+* no two modules import each other, directly or around a loop, in the package, in
+  ``bench/`` or in ``tests/`` (its shared helpers);
 * a package (``fsdp_interactive.X``) imports only packages of a lower layer than its own
   (see ``LAYERS``), or modules of its own package;
-* rank-side packages import neither IPython, ipywidgets nor matplotlib (they run in
-  every engine, and what they return is plain data the notebook side draws).
+* inside ``pool/``, each folder imports only the folders ``POOL_FOLDERS`` allows it: the
+  rank side (``pool/rank/``, code that runs inside every engine) reaches nothing of the
+  kernel side, only what both sides share (``pool/common/``);
+* rank-side code (``RANK_SIDE``) imports neither IPython, ipywidgets nor matplotlib (it
+  runs in every engine, and what it returns is plain data the notebook side draws).
 
 ``tests/notebook/test_layers.py`` adds the top layer's finer rule (other packages only
 through their public names).
@@ -21,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_interactive"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "fsdp_interactive"
 
 #: Layer of each package (and each module at the package root), lowest first. A package
 #: may import packages of a strictly lower layer only.
@@ -31,24 +36,60 @@ LAYERS: dict[str, int] = {
     "_ranks": 0,
     "_torch_compat": 0,
     "_background_groups": 0,
+    "_plain": 0,  # CPU copies of what the ranks send to the kernel: rank side and pool agents
     "_engine_parent": 0,  # run with -m on other hosts: the standard library only
-    # rank side: the FSDP1 API, the example models; the pool (notebook side) sits beside
+    "_notices": 0,  # what a rank tells the kernel unasked; the pool installs the carrier
+    "_step_counter": 0,  # a stateful step count the kernel can unpickle without torch
+    "_lines": 0,  # a stream's lines as shown (carriage returns rewrite the current line)
+    "_status_line": 0,  # lines that move in place on a text stream
+    "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
+    # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
-    "pool": 1,
     # rank side, built on fsdp
     "inspect": 2,
     "checkpoint": 2,
+    # the pool (notebook side, and its rank side): drives the rank-side packages, e.g. a
+    # recovery restores a snapshot with checkpoint's functions
+    "pool": 3,
     # notebook side: magics, widgets and plots
-    "notebook": 3,
+    "notebook": 4,
     # entry points
-    "demo": 4,
-    "cli": 5,
-    "__init__": 6,
-    "__main__": 6,
+    "demo": 5,
+    "cli": 6,
+    "__init__": 7,
+    "__main__": 7,
 }
-RANK_SIDE = ("fsdp", "inspect", "checkpoint", "examples", "_ranks", "_torch_compat")
+RANK_SIDE = (
+    "fsdp",
+    "inspect",
+    "checkpoint",
+    "examples",
+    "_ranks",
+    "_torch_compat",
+    "_notices",
+    "_plain",
+    "_step_counter",
+    "_bar_state",
+    "_lines",
+)
+#: Folders of ``pool/`` whose modules run inside the engines (or in both places).
+RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")
 NOTEBOOK_ONLY_LIBRARIES = ("IPython", "ipywidgets", "matplotlib")
+#: Every engine is an IPython kernel: the one rank-side module whose job is to hook into
+#: that shell may import IPython (still neither widgets nor plots).
+ENGINE_SHELL = "fsdp_interactive.pool.rank._engine_shell"
+
+#: The folders of ``pool/`` and which other parts of ``pool/`` each may import ("" is the
+#: folder's top: the kernel side a user holds, ``Pool`` and its parts, which may import
+#: every folder; ``errors`` is the module ``pool/errors.py``, a leaf).
+POOL_FOLDERS: dict[str, set[str] | None] = {
+    "": None,  # anything in pool/
+    "common": set(),  # both sides: plain records, the channel's wire, host facts
+    "rank": {"common"},  # inside every engine: never the kernel side
+    "processes": {"common", "errors"},  # starting, forking, watching, ending engines
+    "diagnostics": {"common", "errors"},  # stacks, deaths, interrupts seen from the kernel
+}
 
 
 def module_name(path: Path) -> str:
@@ -56,7 +97,20 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def modules_under(root: Path) -> dict[str, Path]:
+    """Dotted name -> file of every Python module under ``root`` (a package folder)."""
+    return {
+        ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(root.rglob("*.py"))
+    }
+
+
 MODULES: dict[str, Path] = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+#: The other trees whose modules must not import one another around a loop.
+OTHER_TREES: dict[str, dict[str, Path]] = {
+    "bench": modules_under(REPO / "bench"),
+    "tests": modules_under(REPO / "tests"),
+}
 
 
 def unit_of(module: str) -> str:
@@ -65,11 +119,18 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def as_module(dotted: str) -> str | None:
-    """The package module a dotted import names (dropping a trailing object name)."""
+def tree_of(module: str) -> dict[str, Path]:
+    """The modules of the tree ``module`` belongs to (the package, bench or tests)."""
+    return OTHER_TREES.get(module.split(".")[0], MODULES)
+
+
+def as_module(dotted: str, tree: dict[str, Path] | None = None) -> str | None:
+    """The module of ``tree`` (default: the package) a dotted import names (dropping a
+    trailing object name)."""
+    tree = MODULES if tree is None else tree
     parts = dotted.split(".")
     while parts:
-        if ".".join(parts) in MODULES:
+        if ".".join(parts) in tree:
             return ".".join(parts)
         parts.pop()
     return None
@@ -77,8 +138,11 @@ def as_module(dotted: str) -> str | None:
 
 @cache
 def imports_of(module: str) -> tuple[set[str], set[str]]:
-    """(package modules, top-level outside libraries) that ``module`` imports anywhere."""
-    path = MODULES[module]
+    """(modules of its own tree, top-level outside libraries) that ``module`` imports
+    anywhere."""
+    tree = tree_of(module)
+    root = module.split(".")[0]
+    path = tree[module]
     ours: set[str] = set()
     outside: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -94,8 +158,8 @@ def imports_of(module: str) -> tuple[set[str], set[str]]:
         else:
             continue
         for name in names:
-            if name.split(".")[0] == "fsdp_interactive":
-                target = as_module(name)
+            if name.split(".")[0] == root:
+                target = as_module(name, tree)
                 if target is not None and target != module:
                     ours.add(target)
             elif name:
@@ -109,8 +173,9 @@ def test_every_package_has_a_layer():
     )
 
 
-def test_the_package_has_no_import_cycle():
-    graph = {module: imports_of(module)[0] for module in MODULES}
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """The groups of ``modules`` that import one another around a loop."""
+    graph = {module: imports_of(module)[0] for module in modules}
     # Tarjan's strongly connected components, iteratively (no recursion limit to meet).
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -149,7 +214,60 @@ def test_the_package_has_no_import_cycle():
                         break
                 if len(component) > 1:
                     cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_package_has_no_import_cycle():
+    cycles = import_cycles(MODULES)
     assert not cycles, f"modules that import one another (around a loop): {cycles}"
+
+
+@pytest.mark.parametrize("tree", sorted(OTHER_TREES))
+def test_bench_and_test_helpers_have_no_import_cycle(tree):
+    assert OTHER_TREES[tree], f"no modules found under {tree}/"
+    cycles = import_cycles(OTHER_TREES[tree])
+    assert not cycles, f"{tree}/ modules that import one another (around a loop): {cycles}"
+
+
+def pool_folder(module: str) -> str | None:
+    """``fsdp_interactive.pool.rank._agent`` -> ``"rank"``; ``pool/``'s own modules -> ``""``
+    (``pool/errors.py`` -> ``"errors"``); ``None`` outside ``pool/``."""
+    parts = module.split(".")
+    if parts[:2] != ["fsdp_interactive", "pool"]:
+        return None
+    if len(parts) == 2:
+        return ""
+    if f"{'.'.join(parts[:3])}" in MODULES and MODULES[".".join(parts[:3])].name == "__init__.py":
+        return parts[2]
+    return "errors" if parts[2] == "errors" else ""
+
+
+POOL_MODULES = sorted(m for m in MODULES if pool_folder(m) not in (None, "", "errors"))
+
+
+def test_every_pool_folder_has_a_rule():
+    folders = {pool_folder(m) for m in MODULES} - {None, "errors"}
+    assert folders <= set(POOL_FOLDERS), (
+        f"pool/ folders without a rule in POOL_FOLDERS: {sorted(folders - set(POOL_FOLDERS))}"
+    )
+
+
+@pytest.mark.parametrize("module", POOL_MODULES)
+def test_pool_folders_import_only_what_their_rule_allows(module):
+    own = pool_folder(module)
+    allowed = POOL_FOLDERS[own]
+    assert allowed is not None
+    if own == "common":
+        assert "torch" not in imports_of(module)[1], f"{module} is shared but imports torch"
+    reached = sorted(
+        target
+        for target in imports_of(module)[0]
+        if pool_folder(target) not in (None, own) and pool_folder(target) not in allowed
+    )
+    assert not reached, (
+        f"{module} (pool/{own}/) imports {reached}; pool/{own}/ may import only its own folder"
+        + (f" and pool/{', pool/'.join(sorted(allowed))}" if allowed else "")
+    )
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -166,14 +284,20 @@ def test_imports_point_down_the_layers(module):
     )
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if unit_of(m) in RANK_SIDE), ids=str)
+def is_rank_side(module: str) -> bool:
+    return unit_of(module) in RANK_SIDE or module.startswith(RANK_SIDE_POOL)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if is_rank_side(m)), ids=str)
 def test_rank_side_modules_never_import_notebook_libraries(module):
-    found = sorted(imports_of(module)[1] & set(NOTEBOOK_ONLY_LIBRARIES))
+    forbidden = set(NOTEBOOK_ONLY_LIBRARIES) - ({"IPython"} if module == ENGINE_SHELL else set())
+    found = sorted(imports_of(module)[1] & forbidden)
     assert not found, f"{module} runs on the ranks but imports {found}"
 
 
 def test_the_rules_catch_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
-    """The checks above can fail: a fake package with a loop and an upward edge."""
+    """The checks above can fail: a fake package with a loop, an upward edge and a rank-side
+    module of ``pool/`` that reaches the kernel side."""
     fake = tmp_path / "fsdp_interactive"
     (fake / "fsdp").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -186,6 +310,15 @@ def test_the_rules_catch_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     (fake / "notebook").mkdir()
     (fake / "notebook" / "__init__.py").write_text("")
     (fake / "notebook" / "magics.py").write_text("")
+    (fake / "pool" / "rank").mkdir(parents=True)
+    (fake / "pool" / "common").mkdir()
+    for init in ("pool", "pool/rank", "pool/common"):
+        (fake / init / "__init__.py").write_text("")
+    (fake / "pool" / "_pool.py").write_text("")
+    (fake / "pool" / "common" / "_wire.py").write_text("")
+    (fake / "pool" / "rank" / "_agent.py").write_text(
+        "from fsdp_interactive.pool.common import _wire\nfrom fsdp_interactive.pool import _pool\n"
+    )
     globals_ = globals()
     monkeypatch.setitem(globals_, "PACKAGE", fake)
     monkeypatch.setitem(
@@ -199,5 +332,24 @@ def test_the_rules_catch_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
             test_imports_point_down_the_layers("fsdp_interactive.fsdp.c")
         with pytest.raises(AssertionError, match="IPython"):
             test_rank_side_modules_never_import_notebook_libraries("fsdp_interactive.fsdp.b")
+        with pytest.raises(AssertionError, match=r"imports \['fsdp_interactive.pool._pool'\]"):
+            test_pool_folders_import_only_what_their_rule_allows(
+                "fsdp_interactive.pool.rank._agent"
+            )
     finally:
         imports_of.cache_clear()
+
+
+#: The longest a module may grow before it is split by concept.
+MAX_MODULE_LINES = 600
+
+
+@pytest.mark.parametrize("tree", ["fsdp_interactive", *sorted(OTHER_TREES)])
+def test_no_module_is_longer_than_the_house_allows(tree):
+    modules = MODULES if tree == "fsdp_interactive" else OTHER_TREES[tree]
+    long = {
+        name: lines
+        for name, path in modules.items()
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"

@@ -14,6 +14,11 @@ returns plain dataclasses a notebook panel can display.
 * :func:`list_checkpoints` / :func:`latest_checkpoint` (plain file reads, any process).
 * :func:`to_full` / :func:`from_full` (one process, no process group): convert between
   a checkpoint and a plain state-dict file (safetensors or ``torch.save``).
+* :func:`snapshot` (-> :class:`SnapshotRecord` or :class:`SnapshotHandle`),
+  :func:`restore_snapshot` (-> :class:`RestoreReport`), :func:`persist_snapshot`,
+  :func:`list_snapshots`, :func:`drop_snapshots`: snapshots in host memory (shared memory
+  that outlives the ranks, a copy of each host's files on the next host), to recover from
+  a dead rank, a wedged collective or a lost host in seconds.
 
 Log records (``logging.getLogger("fsdp_interactive.checkpoint")``, INFO and DEBUG, silent
 unless configured) follow each save and load: plan, capture sizes, per-rank write
@@ -22,6 +27,7 @@ times, manifest, publish, rotation, what a load found and how it resharded.
 
 from __future__ import annotations
 
+from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint._convert import ConversionResult, from_full, to_full
 from fsdp_interactive.checkpoint._handle import SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._layout import latest_checkpoint, list_checkpoints
@@ -30,6 +36,16 @@ from fsdp_interactive.checkpoint._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._sampler import ResumableDistributedSampler
 from fsdp_interactive.checkpoint._save import async_save, save, wait_for_pending_save
+from fsdp_interactive.checkpoint._snapshot import (
+    RestoreReport,
+    SnapshotHandle,
+    SnapshotRecord,
+    drop_snapshots,
+    list_snapshots,
+    persist_snapshot,
+    restore_snapshot,
+    snapshot,
+)
 from fsdp_interactive.checkpoint._stateful import PerRankStateful, Stateful
 from fsdp_interactive.checkpoint.errors import (
     CheckpointBusyError,
@@ -37,6 +53,8 @@ from fsdp_interactive.checkpoint.errors import (
     CheckpointPathError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    SnapshotError,
+    SnapshotSpaceError,
 )
 
 __all__ = [
@@ -50,16 +68,27 @@ __all__ = [
     "LoadReport",
     "PerRankStateful",
     "RNGState",
+    "RestoreReport",
     "ResumableDistributedSampler",
     "SaveHandle",
     "SaveResult",
+    "SnapshotError",
+    "SnapshotHandle",
+    "SnapshotRecord",
+    "SnapshotSpaceError",
     "Stateful",
+    "StepCounter",
     "async_save",
+    "drop_snapshots",
     "from_full",
     "latest_checkpoint",
     "list_checkpoints",
+    "list_snapshots",
     "load",
+    "persist_snapshot",
+    "restore_snapshot",
     "save",
+    "snapshot",
     "to_full",
     "wait_for_pending_save",
 ]

@@ -3,7 +3,8 @@
 Every rank of the default process group calls them with the same arguments. Only one
 save per process runs at a time: a new save first waits for the running asynchronous
 one (``if_busy="wait"``) or raises :class:`CheckpointBusyError` on every rank
-(``if_busy="error"``).
+(``if_busy="error"``). It also waits for a background snapshot of this process still
+being written (a snapshot likewise waits for a running asynchronous save).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _pipeline
 from fsdp_interactive.checkpoint._handle import INFLIGHT, IfBusy, SaveHandle, SaveResult
+from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT as SNAPSHOTS
 from fsdp_interactive.checkpoint._stateful import Stateful, check_stateful
 
 
@@ -34,6 +36,7 @@ def _start(
     started = time.monotonic()
     objects = check_stateful(stateful)
     ranks = Ranks()
+    SNAPSHOTS.wait()  # a background snapshot may stage through the buffers this save uses
     INFLIGHT.make_room(if_busy, ranks)
     captured = _pipeline.capture(model, optimizer, objects, ranks)
     plan = _pipeline.plan(request, mode, ranks, started=started)

@@ -22,6 +22,38 @@ class CheckpointBusyError(CheckpointError):
     """A save was requested while another save of this process is still running."""
 
 
+class SnapshotError(CheckpointError):
+    """A snapshot in host memory cannot be taken, found or restored as asked (it does not
+    exist, it is incomplete on the hosts that remain, or a name it recorded is gone).
+
+    Raised on every rank; the snapshots already published are left as they were.
+    """
+
+
+class SnapshotSpaceError(SnapshotError):
+    """The snapshot folder of a host lacks the room a new snapshot needs there.
+
+    ``host``, ``folder``, ``needed`` and ``free`` (bytes) describe the first such host.
+    Nothing was written; the previous snapshots are kept.
+    """
+
+    def __init__(
+        self, message: str, *, host: str = "", folder: str = "", needed: int = 0, free: int = 0
+    ):
+        super().__init__(message)
+        self.host, self.folder, self.needed, self.free = host, folder, needed, free
+
+    def __reduce__(self):  # keep the numbers when the error travels between ranks
+        return (
+            _rebuild_space,
+            (type(self), str(self), self.host, self.folder, self.needed, self.free),
+        )
+
+
+def _rebuild_space(cls, message, host, folder, needed, free):
+    return cls(message, host=host, folder=folder, needed=needed, free=free)
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is missing, truncated, altered or unreadable.
 

@@ -1,6 +1,6 @@
 """The ``fsdp-interactive demo`` job: train a tiny transformer with FullyShardedDataParallel.
 
-Notebook side (:mod:`._driver`) drives a :class:`~fsdp_interactive.pool.Pool`; the work
+Notebook side (:mod:`._driver`) drives a :class:`pool.Pool`; the work
 runs on the ranks (:mod:`._rank_job`); :mod:`._report` draws the PNG report of the
 :class:`DemoResult` (:mod:`._result`) the driver fills.
 """

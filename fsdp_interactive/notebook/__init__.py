@@ -9,7 +9,7 @@ through the probes in :mod:`fsdp_interactive.inspect`.
   calls on a model living on the ranks.
 * Views, each a widget in a live kernel and text/HTML elsewhere: ``LayoutView``,
   ``SummonPanel``, ``GradNormView``, ``GradNormMonitor``, ``Dashboard``,
-  ``CheckpointPanel``.
+  ``CheckpointPanel``, ``SnapshotPanel`` (snapshots in host memory and Recover).
 * :mod:`fsdp_interactive.notebook.plots`: the matplotlib figures from plain records.
 
 Names are imported lazily so that loading the magics does not import matplotlib.
@@ -29,6 +29,7 @@ _LAZY = {
     "GradNormMonitor": "fsdp_interactive.notebook.monitor",
     "Dashboard": "fsdp_interactive.notebook.dashboard",
     "CheckpointPanel": "fsdp_interactive.notebook.checkpoint_panel",
+    "SnapshotPanel": "fsdp_interactive.notebook.snapshot_panel",
 }
 
 __all__ = sorted(_LAZY)

@@ -19,6 +19,7 @@ from fsdp_interactive.notebook.render import (
     topology_html,
     topology_text,
 )
+from fsdp_interactive.notebook.snapshot_panel import SnapshotPanel
 from fsdp_interactive.notebook.summon_panel import SummonPanel
 
 
@@ -26,8 +27,9 @@ class Dashboard(View):
     """All views of one model on the ranks; ``refresh()`` updates every part.
 
     Parts: ``layout`` (LayoutView), ``grads`` (GradNormView), ``summon`` (SummonPanel),
-    ``monitor`` (GradNormMonitor, when given) and ``checkpoints`` (a CheckpointPanel, when
-    given), plus the pool's topology and every rank's memory (``memory``).
+    ``snapshots`` (SnapshotPanel: the snapshots in host memory, Recover), ``monitor``
+    (GradNormMonitor, when given) and ``checkpoints`` (a CheckpointPanel, when given), plus
+    the pool's topology and every rank's memory (``memory``).
 
     The widget opens on the "Ranks" tab and draws a part's widget the first time its tab
     is selected: every part's data is probed at construction (``text()`` and ``html()``
@@ -48,6 +50,7 @@ class Dashboard(View):
         self.layout = LayoutView(source)
         self.grads = GradNormView(source)
         self.summon = SummonPanel(source)
+        self.snapshots = SnapshotPanel(source)
         self.monitor = monitor
         self.checkpoints = checkpoints
 
@@ -56,6 +59,7 @@ class Dashboard(View):
         self.layout.refresh()
         self.grads.refresh()
         self.summon.select(self.summon.fqn)
+        self.snapshots.refresh()
         if self.monitor is not None:
             self.monitor.poll()
         if self.checkpoints is not None:
@@ -67,6 +71,7 @@ class Dashboard(View):
             ("Layout", self.layout),
             ("Gradients", self.grads),
             ("Summon", self.summon),
+            ("Snapshots", self.snapshots),
         ]
         if self.monitor is not None:
             parts.append(("Monitor", self.monitor))

@@ -1,7 +1,7 @@
 """``%fsdp``, ``%%fsdp`` and ``%fsdp_auto``: drive the rank pool from a notebook.
 
 Loaded with ``%load_ext fsdp_interactive``.  Option names follow ipyparallel's ``%%px``
-where the meaning is the same.  The magics hold one :class:`~fsdp_interactive.pool.Pool`
+where the meaning is the same.  The magics hold one :class:`pool.Pool`
 (``current_pool()`` returns it for widgets and scripts).  Every failure on a rank makes the
 cell raise, so nbval and papermill see it; bad input raises ``UsageError`` saying what to
 type instead.  The kernel never touches CUDA here: memory and devices are asked of the ranks.
@@ -18,12 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from fsdp_interactive.notebook._cell_output import (
-    GROUPINGS,
-    StreamSink,
-    outputs_of,
-    show_outputs,
-)
+from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
     current_cell_number,
     describe_value,
@@ -32,6 +27,8 @@ from fsdp_interactive.notebook._magic_io import (
     rank_error_class,
     shown_as_message,
 )
+from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
+from fsdp_interactive.notebook._stream_sink import StreamSink
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
 _DEFAULT_PULL_LIMIT = 256 * 2**20
@@ -45,6 +42,9 @@ _SUBCOMMANDS = (
     "pull",
     "trace",
     "debug",
+    "snapshot",
+    "journal",
+    "recover",
 )
 
 _magics: FsdpMagics | None = None
@@ -56,7 +56,7 @@ def current_pool() -> Any:
 
 
 @magics_class
-class FsdpMagics(Magics):
+class FsdpMagics(RecoveryMagics, Magics):
     """The ``%fsdp`` family; one instance per IPython shell."""
 
     def __init__(self, shell: Any) -> None:
@@ -93,6 +93,13 @@ class FsdpMagics(Magics):
         %fsdp debug [-r RANK] [COMMAND]         pdb on the last exception a %%fsdp cell raised
                                                 on RANK: run COMMAND (p x, up, where, ...), or
                                                 without one, a prompt until q
+        %fsdp snapshot MODEL [OPTIMIZER] [--stateful a,b] [--step N] [--persist DIR]
+                                                keep the ranks' state in host memory
+        %fsdp journal [--last N]                the calls that built the ranks' state
+        %fsdp recover [--from ID|DIR] [--world N] [--dry-run]
+                                                back to the last snapshot after a fault:
+                                                a fresh group, the setup cells replayed,
+                                                the snapshot loaded
         """
         words = line.strip().split(None, 1)
         if not words:
@@ -127,6 +134,12 @@ class FsdpMagics(Magics):
         metavar="N",
         help="collectives each rank remembers for %%fsdp trace (0: off; default 64)",
     )
+    @argument(
+        "--recover",
+        choices=("auto", "off"),
+        default="off",
+        help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
+    )
     def _fsdp_start(self, rest: str) -> None:
         """%fsdp start"""
         args = self._parse(self._fsdp_start, rest, "start")
@@ -159,6 +172,7 @@ class FsdpMagics(Magics):
                 log_level=args.log_level,
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
+                recover="auto" if args.recover == "auto" else None,
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None
@@ -249,7 +263,7 @@ class FsdpMagics(Magics):
             "del _fsdp_interactive_plain_copy\n"
         )
         try:
-            pool.run(code, stream=False)
+            pool.run(code, stream=False, journal=False)
             value = pool.pull(_PULL_SCRATCH, targets=[args.rank])[0]
         except rank_error_class() as error:
             from fsdp_interactive.inspect import TOO_LARGE
@@ -271,7 +285,7 @@ class FsdpMagics(Magics):
             raise shown_as_message(error) from None
         finally:
             if pool.running:
-                pool.run(f"globals().pop({_PULL_SCRATCH!r}, None)", stream=False)
+                pool.run(f"globals().pop({_PULL_SCRATCH!r}, None)", stream=False, journal=False)
         self.shell.user_ns[target] = value
         print(f"{target} <- {describe_value(value)}")
 
@@ -379,6 +393,11 @@ class FsdpMagics(Magics):
         action="store_true",
         help="on --timeout, add each rank's native (C/C++) frames (py-spy)",
     )
+    @argument(
+        "--no-replay",
+        action="store_true",
+        help="%%fsdp recover never runs this cell again (a training loop)",
+    )
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.
@@ -413,6 +432,7 @@ class FsdpMagics(Magics):
                 on_output=sink,
                 cell=current_cell_number(self.shell),
                 native=args.native,
+                replay=not args.no_replay,
             )
         except TimeoutError as error:
             sink.flush()
@@ -438,7 +458,8 @@ class FsdpMagics(Magics):
         except UsageError as error:
             raise UsageError(
                 f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] [--native] "
-                "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME]"
+                "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME] "
+                "[--no-replay]"
             ) from None
 
     # ------------------------------------------------------------------ %fsdp_auto

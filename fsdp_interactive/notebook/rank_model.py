@@ -77,7 +77,7 @@ class RankModel:
             "import fsdp_interactive.checkpoint as _fsdp_interactive_checkpoint\n"
             f"{_SCRATCH} = {expression}\n"
         )
-        self.pool.run(code, targets=targets, timeout=self.timeout, stream=False)
+        self.pool.run(code, targets=targets, timeout=self.timeout, stream=False, journal=False)
         try:
             return list(self.pool.pull(_SCRATCH, targets=targets))
         finally:
@@ -85,6 +85,7 @@ class RankModel:
                 f"del {_SCRATCH}, _fsdp_interactive_inspect, _fsdp_interactive_checkpoint",
                 targets=targets,
                 stream=False,
+                journal=False,
             )
 
     _probe = evaluate

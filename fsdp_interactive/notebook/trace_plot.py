@@ -5,7 +5,7 @@ the group), ranks top to bottom. Each cell is coloured by the collective the ran
 under that number; a thick black edge marks one the rank still waits in; a hatched grey
 cell a number the rank never issued; a red mark above a column a number the ranks
 disagree on (different collectives or shapes). Built from the plain
-:class:`~fsdp_interactive.pool.RecorderDump` records the ranks sent.
+:class:`pool.RecorderDump` records the ranks sent.
 Readable at 8+ ranks and a few hundred collectives per panel.
 """
 

@@ -5,18 +5,19 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 :class:`PoolState`. ``Pool.trace()`` returns a :class:`CollectiveTrace` (per rank a
 :class:`RecorderDump`), ``Pool.interrupt()`` an :class:`InterruptReport` and
 ``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
-hosts of an ipyparallel config whether they answer with this kernel's versions. Rank-side start-up code lives in
-:mod:`fsdp_interactive.pool._rank_bootstrap` (free of IPython).
+hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
+``on_output`` sink gets each chunk of the ranks' text and, through its ``display``
+method when it has one, each :class:`RankDisplay` they publish. Rank-side start-up code lives in
+:mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
-from fsdp_interactive.pool._collectives import CollectiveTrace, RecorderDump
-from fsdp_interactive.pool._devices import visible_cuda_device_count
-from fsdp_interactive.pool._dispatch import InterruptReport
-from fsdp_interactive.pool._output import RunResult, TaggedPrinter
-from fsdp_interactive.pool._pool import DebuggerOutput, Pool
-from fsdp_interactive.pool._ssh_check import check_hosts as check_ssh_hosts
+from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
+from fsdp_interactive.pool._pool import Pool
 from fsdp_interactive.pool._state import PoolState
-from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
+from fsdp_interactive.pool.common._topology import RankRecord
+from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
+from fsdp_interactive.pool.diagnostics._post_mortem import DebuggerOutput
 from fsdp_interactive.pool.errors import (
     PoolBusy,
     PoolError,
@@ -27,6 +28,8 @@ from fsdp_interactive.pool.errors import (
     RankInterrupted,
     RankTimeout,
 )
+from fsdp_interactive.pool.processes._devices import visible_cuda_device_count
+from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_hosts
 
 __all__ = [
     "CollectiveTrace",
@@ -39,6 +42,7 @@ __all__ = [
     "PoolStartError",
     "PoolState",
     "RankDied",
+    "RankDisplay",
     "RankError",
     "RankInterrupted",
     "RankRecord",

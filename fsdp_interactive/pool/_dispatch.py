@@ -4,11 +4,13 @@ and reaching the ranks' processes (liveness, signals).
 :class:`PendingCall` is one call dispatched to some ranks (one ipyparallel AsyncResult
 per rank). Waiting for it streams the ranks' output, arms the hang watchdog, checks
 that the ranks live, and turns Ctrl-C into SIGINT for the ranks; every outcome other
-than success becomes an exception of :mod:`.errors`, built by :mod:`._diagnosis`.
+than success becomes an exception of :mod:`.errors`, built by :mod:`pool.diagnostics._diagnosis`.
 
 * Death: whenever a wait for progress runs out, the pool is asked for dead ranks (an
   engine that left the controller, whose nanny reports an exit at once, or a local
   engine process that ended); any found make the pool tear the group down and raise.
+  The call first notes each rank's part of it (its request and what it printed), so
+  that the report tells what the dead ranks wrote during this call and nothing older.
 * Timeout: the ranks are not stopped; the error carries their stacks and a ``wait``
   that resumes this same wait.
 * Interrupt: engines run in their own session, so a notebook interrupt reaches only
@@ -18,7 +20,8 @@ than success becomes an exception of :mod:`.errors`, built by :mod:`._diagnosis`
   prompt over its agent's event link; the waiting loop shows the debugger's output,
   asks the user with ``input()`` (in a notebook: the input box, through the kernel's
   stdin channel) and sends the command back. Time spent at the prompt does not count
-  against the call's timeout.
+  against the call's timeout, nor against NCCL's watchdog: every rank holds its clock
+  while the user is asked (:mod:`pool.rank._watchdog_hold`).
 
 Calls that timed out or were interrupted but still run are remembered
 (:class:`Unfinished`), so new work is refused instead of queueing silently behind them.
@@ -33,18 +36,28 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from fsdp_interactive.pool._diagnosis import Diagnosis, interrupted_on_ranks, traceback_text
-from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter
-from fsdp_interactive.pool._topology import RankRecord
-from fsdp_interactive.pool.errors import RESTART, PoolBusy, RankError, strip_ansi
+from fsdp_interactive._lines import final_text
+from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter, received_metadata
+from fsdp_interactive.pool.common._topology import RankRecord
+from fsdp_interactive.pool.diagnostics._death_report import CallRecord
+from fsdp_interactive.pool.diagnostics._diagnosis import (
+    Diagnosis,
+    interrupted_on_ranks,
+    traceback_text,
+)
+from fsdp_interactive.pool.errors import PoolBusy, RankError, strip_ansi
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _OUTPUT_GRACE_S = 2.0
+#: The watchdog hold every rank keeps while the user is asked for a debugger command, and
+#: when it lapses if the kernel never releases it (a kernel that died mid-prompt).
+PROMPT_HOLD = "debugger prompt"
+PROMPT_HOLD_S = 6 * 3600.0
 
 Targets = int | Sequence[int] | str | None
 
@@ -110,59 +123,12 @@ class Unfinished:
 
 
 @dataclass(frozen=True)
-class InterruptReport:
-    """What ``pool.interrupt()`` did, per targeted rank.
-
-    ``stopped``: ranks whose unfinished call ended after SIGINT; ``blocked``: ranks
-    still inside a collective (where they are), which SIGINT cannot free (the signal is
-    handled only once the C++ call returns) and only a restart does; ``running``: ranks
-    that had not stopped yet, elsewhere; ``idle``: ranks that ran no call the pool was
-    waiting for (they were signalled too).
-    """
-
-    signalled: list[int]
-    stopped: list[int] = field(default_factory=list)
-    blocked: dict[int, str] = field(default_factory=dict)
-    running: dict[int, str] = field(default_factory=dict)
-    idle: list[int] = field(default_factory=list)
-
-    @property
-    def needs_restart(self) -> bool:
-        return bool(self.blocked)
-
-    def lines(self, notebook: bool = False) -> list[str]:
-        """One line per rank, then what to do when a rank stays blocked."""
-        status = {rank: "stopped" for rank in self.stopped}
-        status.update({rank: "was idle (nothing to stop)" for rank in self.idle})
-        status.update(
-            {
-                rank: f"did not stop: blocked in a collective, {where}"
-                for rank, where in self.blocked.items()
-            }
-        )
-        status.update(
-            {rank: f"has not stopped yet: {where}" for rank, where in self.running.items()}
-        )
-        lines = [f"rank {rank}: {status[rank]}" for rank in sorted(status)]
-        if self.blocked:
-            lines.append(
-                "A rank blocked inside a collective cannot be interrupted (it sees the signal "
-                "only when the collective returns); only a restart frees it: "
-                + RESTART.render(notebook).replace("start a fresh group with ", "")
-                + " (rank state is discarded)."
-            )
-        return lines
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-
-@dataclass(frozen=True)
 class RankWatch:
     """What a pending call needs of the pool while it waits.
 
     ``dead_ranks()`` lists ranks whose process is gone; ``fail_dead(ranks)`` tears the
-    group down and raises :class:`~.errors.RankDied`; ``signal(ranks, sig)`` reaches
+    group down and raises :class:`~.errors.RankDied`, whose report tells what each rank
+    wrote during the call last given to ``note_call(records)``; ``signal(ranks, sig)`` reaches
     ranks through their nannies; ``needs_restart()`` marks the group as one that an
     interrupt left in an undefined state; ``purge(handles)`` drops the client's cached
     results.
@@ -170,6 +136,7 @@ class RankWatch:
 
     dead_ranks: Callable[[], list[int]]
     fail_dead: Callable[[list[int]], NoReturn]
+    note_call: Callable[[Mapping[int, CallRecord]], None]
     signal: Callable[[list[int], int], None]
     diagnosis: Diagnosis
     unfinished: Unfinished
@@ -218,9 +185,10 @@ class PendingCall:
         self._prompt = prompt or ask_user
         self._printer = TaggedPrinter() if stream and on_output is None else None
         sink = on_output or self._printer
-        self._pump: Callable[[], None] = (
-            OutputPump(handles, sink) if stream and sink is not None else _nothing
-        )
+        self._pump: Callable[[], None] = _nothing
+        self._output: OutputPump | None = None
+        if stream and sink is not None:
+            self._output = self._pump = OutputPump(handles, sink)
 
     def pending_ranks(self) -> list[int]:
         return [rank for rank, handle in self.handles.items() if not handle.ready()]
@@ -257,7 +225,7 @@ class PendingCall:
                     continue  # progress: liveness is checked only when a wait ran out
                 dead = self._watch.dead_ranks()
                 if dead:
-                    self._watch.fail_dead(dead)
+                    self._fail_dead(dead)
             for handle in self.handles.values():
                 # stream messages may trail the reply; wait for them briefly
                 handle.wait_for_output(_OUTPUT_GRACE_S)
@@ -267,6 +235,8 @@ class PendingCall:
         finally:
             if self._printer is not None:
                 self._printer.flush()
+            if self._output is not None and not self.pending_ranks():
+                self._output.close()
         results = self._collect()
         value = self._finish(results) if self._finish is not None else results
         # Results are handed over once: drop the client's cached copies (tensors pulled
@@ -291,6 +261,8 @@ class PendingCall:
             if message.get("kind") != "prompt":
                 continue
             rank = int(message["rank"])
+            agents = self._watch.diagnosis.agents
+            agents.hold_watchdogs(PROMPT_HOLD, PROMPT_HOLD_S)
             try:
                 command = self._prompt(str(message.get("prompt", f"(rank {rank} Pdb) ")))
             except EOFError:
@@ -306,6 +278,8 @@ class PendingCall:
                     flush=True,
                 )
                 command = "continue"
+            finally:
+                agents.hold_watchdogs(PROMPT_HOLD, 0)
             self._watch.diagnosis.agents.answer(rank, command)
         return time.monotonic() - began
 
@@ -324,13 +298,25 @@ class PendingCall:
         self._pump()
         dead = watch.dead_ranks()
         if dead:
-            watch.fail_dead(dead)
+            self._fail_dead(dead)
         error = watch.diagnosis.interrupt_error(signalled, self.handles, self._code)
         if error.needs_restart:
             watch.needs_restart()
         watch.unfinished.remember(self.handles)
         watch.unfinished.blocked |= set(error.in_collective) & set(error.stuck)
         raise error from None
+
+    def _fail_dead(self, dead: list[int]) -> NoReturn:
+        """Note each rank's part of this call, then have the pool report ``dead``."""
+        records = {}
+        for rank, handle in self.handles.items():
+            received = received_metadata(handle)
+            printed = "".join(
+                _ended(final_text(received.get(name) or "")) for name in ("stdout", "stderr")
+            )
+            records[rank] = CallRecord(request=str(handle.msg_ids[0]), output=printed)
+        self._watch.note_call(records)
+        self._watch.fail_dead(dead)
 
     def _collect(self) -> list[Any]:
         """Per-rank results in rank order, or the error the ranks' outcomes amount to."""
@@ -355,9 +341,11 @@ class PendingCall:
                 tracebacks[rank] = traceback_text(exc)
                 errors[rank] = (type(exc).__name__, str(exc))
         if died:
-            self._watch.fail_dead(died)
+            self._fail_dead(died)
         if tracebacks and all(errors[r][0] == "KeyboardInterrupt" for r in tracebacks):
-            error = interrupted_on_ranks(tracebacks)
+            error = interrupted_on_ranks(
+                tracebacks, self._watch.diagnosis.unfinished_collectives(sorted(tracebacks))
+            )
             if error.needs_restart:
                 self._watch.needs_restart()
             raise error
@@ -371,7 +359,7 @@ def dead_ranks(
 ) -> list[int]:
     """Ranks whose engine left the controller (its nanny reports an exit at once) or
     whose process ended; ``engine_of(pid)`` gives the pool's
-    :class:`~._processes.EngineProcess` for a pid (``None``: not started by the pool)."""
+    :class:`pool.processes._launched.EngineProcess` for a pid (``None``: not started by the pool)."""
     registered = set(client.ids)
     dead = []
     for record in records:
@@ -417,3 +405,7 @@ def purge_results(client: Any, handles: list[Any]) -> None:
 
 def _nothing() -> None:
     return None
+
+
+def _ended(text: str) -> str:
+    return text if not text or text.endswith("\n") else text + "\n"

@@ -1,14 +1,16 @@
 """Turning registered engines into one ``torch.distributed`` process group.
 
-The steps after the engines are up (launched by :mod:`._processes`, or those of a
+The steps after the engines are up (launched by :mod:`pool.processes._launched`, or those of a
 cluster the pool connected to), each a call on the engines into
-:mod:`._rank_bootstrap`:
+:mod:`pool.rank._bootstrap`:
 
 1. wait until ``n`` engines registered with the controller;
-2. describe the engines (host, address, pid) and assign ranks (:mod:`._topology`);
+2. describe the engines (host, address, pid, and their CUDA device counts when the
+   placement needs them), assign ranks (:mod:`pool.common._topology`) and settle the
+   placement from those reports (:func:`pool._placement.settle`);
 3. rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race);
-4. all ranks start their diagnostics agent (:mod:`._rank_agent`, through the engine
-   hooks of :mod:`._engine_shell`), then call ``init_process_group`` concurrently on
+4. all ranks start their diagnostics agent (:mod:`pool.rank._agent`, through the engine
+   hooks of :mod:`pool.rank._engine_shell`), then call ``init_process_group`` concurrently on
    the store, count themselves in on it, wait for the full count and check the
    backend with one ``all_reduce``;
 5. every rank's namespace gets ``torch``, ``dist``, ``rank``, ``world_size``,
@@ -18,7 +20,7 @@ A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners 
 loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
 listens on that address only, each agent on its rank's address, and each rank binds
 gloo (and NCCL) to the interface that holds its address (see
-:func:`._rank_bootstrap.bind_collective_sockets`). The agents' key is
+:func:`pool.rank._bootstrap.bind_collective_sockets`). The agents' key is
 derived from the cluster's HMAC key and a nonce that :attr:`Group.nonce` holds (the key
 itself never travels).
 
@@ -35,18 +37,20 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_interactive.pool import _engine_shell, _hosts
-from fsdp_interactive.pool import _rank_bootstrap as rank_side
-from fsdp_interactive.pool._diagnosis import traceback_text
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
-from fsdp_interactive.pool._placement import Placement
-from fsdp_interactive.pool._rank_bootstrap import SOCKET_IFNAME_VARS
-from fsdp_interactive.pool._topology import RankRecord, assign_ranks
+from fsdp_interactive.pool._placement import Placement, settle
+from fsdp_interactive.pool.common import _hosts
+from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
+from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
 from fsdp_interactive.pool.errors import PoolStartError
+from fsdp_interactive.pool.processes._launched import LaunchedProcesses
+from fsdp_interactive.pool.rank import _bootstrap as rank_side
+from fsdp_interactive.pool.rank import _engine_shell
+from fsdp_interactive.pool.rank._bootstrap import SOCKET_IFNAME_VARS
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ _REGISTRATION_POLL_S = 0.02
 NAMESPACE_SETUP = """\
 import torch
 import torch.distributed as dist
-from fsdp_interactive.pool._rank_bootstrap import rank_context as _fsdpi_rank_context
+from fsdp_interactive.pool.rank._bootstrap import rank_context as _fsdpi_rank_context
 rank, world_size, local_rank, device = _fsdpi_rank_context()
 device = torch.device(device)
 del _fsdpi_rank_context
@@ -82,15 +86,17 @@ class Group:
 class Rendezvous:
     """The start-up steps on the engines of ``client``.
 
-    ``timeout`` bounds each step; ``engines_exited()`` lists engine processes of the pool
-    that ended (each with ``pid`` and ``output_tail()``; empty for engines the pool does
-    not own); ``launch_problem()`` says why no more engines can register (``None``: they
-    still may) and ``launch_state()`` where the launchers stand, for the timeout's error; ``log_level``: the ranks' log level (``None``: leave their logging alone);
+    ``timeout`` bounds each step; ``launched``: the processes the pool started for these
+    engines (``None`` for a cluster it connected to), which tell of engine processes that
+    ended, of launchers that can no longer bring more engines and where the launchers
+    stand, for the errors of a start that fails; ``log_level``: the ranks' log level
+    (``None``: leave their logging alone);
     ``flight_recorder``: ring-buffer entries of torch's flight recorder on each rank
     (0: off; ``None``: the environment's ``TORCH_FR_BUFFER_SIZE``, else torch's default);
-    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks; ``owned``:
-    the pool started these engines, so a rank exits when this kernel is gone (see
-    :mod:`._rank_agent`).
+    ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks;
+    ``engine_env``: variables set in every rank's environment as it joins (the pool's
+    snapshot root). Ranks of launched engines exit when this kernel is gone (see
+    :mod:`pool.rank._agent`).
     """
 
     def __init__(
@@ -99,21 +105,18 @@ class Rendezvous:
         *,
         timeout: float,
         pg_timeout: float,
-        engines_exited: Callable[[], list[Any]],
-        launch_problem: Callable[[], str | None] = lambda: None,
-        launch_state: Callable[[], str] = lambda: "",
+        launched: LaunchedProcesses | None,
         log_level: int | None = None,
         flight_recorder: int | None = None,
         check_collectives: bool = False,
-        owned: bool = False,
+        engine_env: Mapping[str, str] | None = None,
     ) -> None:
         self._client = client
-        self._owned = owned
+        self._engine_env = dict(engine_env or {})
+        self._launched = launched
+        self._owned = launched is not None
         self._timeout = timeout
         self._pg_timeout = pg_timeout
-        self._exited = engines_exited
-        self._launch_problem = launch_problem
-        self._launch_state = launch_state
         self._log_level = log_level
         self._flight_recorder = flight_recorder
         self._check_collectives = check_collectives
@@ -121,20 +124,21 @@ class Rendezvous:
     def wait_for_engines(self, n: int, deadline: float) -> None:
         """Wait until ``n`` engines registered (``deadline``: a ``time.monotonic()``)."""
         began = time.monotonic()
+        launched = self._launched
         while len(self._client.ids) < n:
-            exited = self._exited()
+            exited = launched.exited_engines() if launched else []
             if exited:
                 raise PoolStartError(
                     f"engine process {exited[0].pid} exited before registering; last lines "
                     "of its log:\n" + exited[0].output_tail()
                 )
-            problem = self._launch_problem()
+            problem = launched.launch_problem() if launched else None
             if problem:
                 raise PoolStartError(
                     f"{len(self._client.ids)} of {n} engines registered, and no more can: {problem}"
                 )
             if time.monotonic() > deadline:
-                state = self._launch_state()
+                state = launched.launch_state() if launched else ""
                 raise PoolStartError(
                     f"only {len(self._client.ids)} of {n} engines registered within "
                     f"timeout={self._timeout:g}s; everything started was stopped"
@@ -142,6 +146,8 @@ class Rendezvous:
                 )
             time.sleep(_REGISTRATION_POLL_S)
         log.debug("%d engines registered in %.2fs", n, time.monotonic() - began)
+        if launched:
+            launched.record()  # nannies and children that came up since the launch
 
     def form_group(self, n: int, placement: Placement) -> Group:
         """Make the first ``n`` registered engines ranks of a new default process group."""
@@ -155,12 +161,18 @@ class Rendezvous:
                 },
                 "setting the engines' log level",
             )
+        count_cuda = placement.devices is not None
         described = self.gather(
-            {eid: client[eid].apply_async(rank_side.describe_engine) for eid in engine_ids},
+            {
+                eid: client[eid].apply_async(rank_side.describe_engine, count_cuda)
+                for eid in engine_ids
+            },
             "describing engines",
         )
         refuse_other_versions(described)
         slots = assign_ranks(described)
+        placement = settle(placement, host_reports(slots, described))
+        log.debug("placement: %s", placement)
         group = Group(views={slot.rank: client[slot.engine_id] for slot in slots})
         group.parent_pids = {
             slot.rank: int(described[slot.engine_id].get("parent_pid") or 0) for slot in slots
@@ -178,7 +190,7 @@ class Rendezvous:
             ranked=True,
         )[0]
 
-        env = socket_env() if single_host else {}
+        env = {**(socket_env() if single_host else {}), **self._engine_env}
         nonce = secrets.token_bytes(16)
         group.nonce = nonce
         specs = {
@@ -191,6 +203,7 @@ class Rendezvous:
                 "master_port": port,
                 "backend": placement.backend,
                 "device": placement.device_for(slot.local_rank),
+                "cuda_devices": placement.visible_for(slot.local_world_size),
                 "pg_timeout_s": self._pg_timeout,
                 "env": env,
                 # Several hosts: each rank binds gloo/NCCL to the interface of its address.
@@ -225,6 +238,7 @@ class Rendezvous:
                 backend=joined[slot.rank]["backend"],
                 engine_id=slot.engine_id,
                 address=slot.address,
+                visible_devices=joined[slot.rank].get("visible_devices"),
             )
             for slot in slots
         ]
@@ -267,7 +281,7 @@ class Rendezvous:
                     break  # one failure is enough: peers may wait for it forever
                 if time.monotonic() > deadline:
                     raise PoolStartError(f"timed out after {self._timeout:g}s while {what}")
-                if self._exited():
+                if self._launched is not None and self._launched.exited_engines():
                     raise PoolStartError(f"an engine process exited while {what}")
                 # Returns as soon as that call completes; the checks above run again
                 # at least every _POLL_S.
@@ -297,9 +311,24 @@ class Rendezvous:
         return results
 
 
+def host_reports(
+    slots: list[RankSlot], described: Mapping[int, Mapping[str, Any]]
+) -> dict[str, tuple[int, int | None]]:
+    """Per host (in rank order): ``(ranks on it, CUDA devices its engines see)``, the
+    smallest count its engines reported (``None`` when they were not asked)."""
+    hosts: dict[str, tuple[int, int | None]] = {}
+    for slot in slots:
+        count = described[slot.engine_id].get("cuda_devices")
+        ranks, known = hosts.get(slot.host, (0, None))
+        if count is not None:
+            known = int(count) if known is None else min(known, int(count))
+        hosts[slot.host] = (ranks + 1, known)
+    return hosts
+
+
 def refuse_other_versions(described: Mapping[int, Mapping[str, Any]]) -> None:
     """``PoolStartError`` naming both versions when an engine runs another torch,
-    fsdp_interactive or Python minor version than this kernel (see :mod:`._hosts`)."""
+    fsdp_interactive or Python minor version than this kernel (see :mod:`pool.common._hosts`)."""
     here = _hosts.versions()
     problems = []
     for engine_id, info in sorted(described.items()):

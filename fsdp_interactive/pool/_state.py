@@ -1,4 +1,4 @@
-"""The states of a :class:`~fsdp_interactive.pool.Pool` and the moves between them."""
+"""The states of a :class:`pool.Pool` and the moves between them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class PoolState(str, Enum):
         RUNNING  --restart()-->          STOPPED --> STARTING
 
     Only RUNNING accepts calls (``run``, ``call``, ``push``, ``pull``, ``stacks``,
-    ``interrupt``); the others raise :class:`~fsdp_interactive.pool.PoolNotRunning`.
+    ``interrupt``); the others raise :class:`pool.PoolNotRunning`.
     """
 
     STOPPED = "stopped"

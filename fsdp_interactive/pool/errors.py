@@ -1,4 +1,4 @@
-"""Exceptions raised by :class:`~fsdp_interactive.pool.Pool`.
+"""Exceptions raised by :class:`pool.Pool`.
 
 Every error names ranks (never ipyparallel engine ids). Messages are plain text (ANSI
 colour codes from remote tracebacks are stripped) so they read the same in a notebook,
@@ -71,6 +71,8 @@ START = Step("call {}", "pool.start()", "%fsdp start -n 2")
 INTERRUPT = Step("interrupt it with {}", "pool.interrupt()", "%fsdp interrupt")
 WAIT = Step("keep waiting with {}", "err.wait()", "{out}.wait()")
 TRACE = Step("compare every rank's collectives with {}", "pool.trace()", "%fsdp trace")
+RECOVER = Step("go back to the last snapshot with {}", "pool.recover()", "%fsdp recover")
+RUN_AGAIN = Step("{} to continue", "run the call again", "run the cell again")
 
 
 def advice_line(steps: tuple[Step, ...], notebook: bool, out: str | None = None) -> str:
@@ -98,9 +100,28 @@ class Advised:
         line = advice_line(self.advice, notebook, out)
         return "\n".join(part for part in (self._head, line, self._tail) if part)
 
+    @property
+    def what_happened(self) -> str:
+        """The message without its advice (for an error quoted inside another one)."""
+        return self._head
+
     def notebook_message(self, out: str | None = None) -> str:
         """The message for a notebook user; ``out``: the name ``%%fsdp -o`` stored it under."""
         return self._compose(True, out)
+
+    def recovered(self, summary: str) -> None:
+        """Say that the pool recovered by itself (``Pool(recover="auto")``): ``summary``
+        ("recovered to the snapshot ... in 4.1 s") joins the message, and the advice
+        becomes running the call again."""
+        self._head = f"{self._head}\n{summary}" if self._head else summary
+        self.advice = (RUN_AGAIN,)
+        self.args = (self._compose(False),)
+
+    def recovery_failed(self, reason: str) -> None:
+        """Say that an automatic recovery was tried and why it failed; the advice stays."""
+        line = f"Automatic recovery failed: {reason}"
+        self._tail = f"{line}\n{self._tail}" if self._tail else line
+        self.args = (self._compose(False),)
 
 
 class PoolError(RuntimeError):
@@ -115,7 +136,7 @@ class PoolBusy(Advised, PoolError):
     """Ranks are still running an earlier call (one that timed out or was interrupted
     and did not stop); new work would queue behind it. Wait for it, interrupt it or
     restart the pool. ``ranks``: the busy ranks; ``blocked``: those of them known to be
-    blocked inside a collective, which only a restart frees."""
+    blocked inside a collective, which only a new group frees (recover or restart)."""
 
     def __init__(self, ranks: list[int], blocked: list[int] | None = None):
         self.ranks = sorted(ranks)
@@ -128,26 +149,27 @@ class PoolBusy(Advised, PoolError):
         if self.blocked:
             self._head += "\n" + (
                 f"{_ranks_text(self.blocked)} {'is' if len(self.blocked) == 1 else 'are'} "
-                "blocked inside a collective: only a restart frees "
+                "blocked inside a collective: only a new group frees "
                 f"{'it' if len(self.blocked) == 1 else 'them'}."
             )
-            self.advice = (RESTART,)
+            self.advice = (RECOVER, RESTART)
         else:
             self.advice = (WAIT, INTERRUPT, RESTART)
         super().__init__(self._compose(False))
 
 
 class PoolNotRunning(Advised, PoolError):
-    """The pool is stopped or broken (a rank died): call ``start()`` or ``restart()``."""
+    """The pool is stopped or broken (a rank died): call ``start()``, ``recover()`` or
+    ``restart()``."""
 
-    def __init__(self, message: str, step: Step | None = None):
+    def __init__(self, message: str, *steps: Step):
         self._head = message
-        self.advice = (step,) if step is not None else ()
+        self.advice = steps
         super().__init__(self._compose(False))
 
     def _compose(self, notebook: bool, out: str | None = None) -> str:
-        steps = [text for step in self.advice if (text := step.render(notebook, out))]
-        return "; ".join([self._head, *steps])
+        line = advice_line(self.advice, notebook, out)
+        return f"{self._head}; {line[0].lower()}{line[1:-1]}" if line else self._head
 
 
 class RankError(Advised, RuntimeError):
@@ -189,7 +211,7 @@ class RankTimeout(Advised, TimeoutError):
     ``stacks`` maps every targeted rank to its current Python stack (text in traceback
     order, with source lines) and ``where`` to a one-line summary ("in barrier (...)").
     ``pending`` lists the ranks still running. ``collectives`` maps each rank to its
-    recent collectives (:class:`~._collectives.RecorderDump`) and ``diagnosis`` holds one
+    recent collectives (:class:`pool.common._collectives.RecorderDump`) and ``diagnosis`` holds one
     line per disagreement between ranks ("rank 0 waits in barrier #12; rank 1 never
     issued #12 ..."). ``native`` maps ranks to py-spy's native frames when asked for.
     ``wait(timeout)`` keeps waiting for the same run and returns its result (or raises
@@ -211,7 +233,7 @@ class RankTimeout(Advised, TimeoutError):
         native: dict[int, str] | None = None,
     ):
         self._head, self._tail = head, tail
-        self.advice = (WAIT, TRACE, INTERRUPT, RESTART)
+        self.advice = (WAIT, TRACE, INTERRUPT, RECOVER, RESTART)
         super().__init__(self._compose(False))
         self.stacks = stacks
         self.where = where
@@ -231,9 +253,11 @@ class RankDied(Advised, RuntimeError):
 
     ``ranks`` lists the dead ranks; ``exit_codes`` maps each to its exit status
     (negative: killed by that signal; ``None``: unknown, e.g. a remote engine);
-    ``log_tails`` maps each to the last lines of its engine's log; ``lost_hosts`` lists
-    hosts all of whose ranks vanished at once with no exit status (the host or the
-    network to it is gone).
+    ``log_tails`` maps each to the lines of its engine's log written during the call it
+    died in; ``reports`` to what it wrote during that call (its output and those log
+    lines, or that it wrote nothing), which the message shows; ``lost_hosts`` lists hosts
+    all of whose ranks vanished at once with no exit status (the host or the network to
+    it is gone).
     """
 
     def __init__(
@@ -244,10 +268,12 @@ class RankDied(Advised, RuntimeError):
         hosts: dict[int, str] | None = None,
         pids: dict[int, int] | None = None,
         lost_hosts: list[str] | None = None,
+        reports: dict[int, str] | None = None,
     ):
         self.ranks = sorted(ranks)
         self.exit_codes = exit_codes
         self.log_tails = log_tails
+        self.reports = dict(reports or {})
         self.lost_hosts = list(lost_hosts or [])
         lines = [
             f"host {host} lost: every rank on it vanished without an exit status "
@@ -261,9 +287,12 @@ class RankDied(Advised, RuntimeError):
             lines.append(f"rank {rank}{where} died: {describe_exit(exit_codes.get(rank))}")
         lines.append("The process group was torn down.")
         self._head = "\n".join(lines)
-        self.advice = (RESTART,)
+        self.advice = (RECOVER, RESTART)
         tails = []
         for rank in self.ranks:
+            if rank in self.reports:
+                tails.append(self.reports[rank])
+                continue
             tail = log_tails.get(rank, "").rstrip()
             if tail:
                 tails.append(f"--- last lines of rank {rank}'s engine log ---\n{tail}")
@@ -276,25 +305,36 @@ class RankInterrupted(Advised, KeyboardInterrupt):
 
     ``ranks`` are the ranks that were signalled; ``stuck`` maps ranks that did not stop
     to a one-line description of where they are; ``needs_restart`` is True when an
-    interrupt landed inside (or left a rank blocked in) a ``torch.distributed`` call, in
-    which case the process group's state is undefined and ``pool.restart()`` is needed.
+    interrupt landed inside (or left a rank blocked in) a collective: a
+    ``torch.distributed`` call, or an NCCL collective still unfinished on the rank's GPU
+    (``unfinished`` describes those of the ranks that did stop), in which case the
+    process group's state is undefined and ``pool.restart()`` is needed.
     """
 
-    def __init__(self, ranks: list[int], stuck: dict[int, str], in_collective: list[int]):
+    def __init__(
+        self,
+        ranks: list[int],
+        stuck: dict[int, str],
+        in_collective: list[int],
+        unfinished: dict[int, str] | None = None,
+    ):
         self.ranks = sorted(ranks)
         self.stuck = stuck
         self.in_collective = sorted(in_collective)
+        self.unfinished = dict(unfinished or {})
         self.needs_restart = bool(in_collective)
         lines = [f"interrupted {_ranks_text(self.ranks)} (SIGINT)."]
         for rank, where in sorted(stuck.items()):
             lines.append(f"rank {rank} did not stop: {where}")
+        for rank, what in sorted(self.unfinished.items()):
+            lines.append(f"rank {rank} stopped but left {what} queued on its GPU")
         if self.needs_restart:
             lines.append(
-                f"{_ranks_text(self.in_collective)} interrupted inside torch.distributed: "
-                "the process group must be restarted; only a restart frees a rank blocked "
-                "in a collective."
+                f"{_ranks_text(self.in_collective)} interrupted inside a collective "
+                "(torch.distributed, or NCCL work unfinished on the GPU): the process group "
+                "must be restarted; only a new group frees a rank blocked in a collective."
             )
-            self.advice = (RESTART,)
+            self.advice = (RECOVER, RESTART)
         self._head = "\n".join(lines)
         super().__init__(self._compose(False))
 

@@ -131,3 +131,17 @@ def test_recorded_causes_name_comparisons_a_quick_run_makes(quick_report: Path) 
     stale = sorted(set(findings.causes) - made)
     assert not stale, f"findings that no comparison would ever quote: {stale}"
     assert set(findings.observations) <= set(FIGURES)
+
+
+def test_probes_figure_measures_gpt2_small(quick_report: Path) -> None:
+    """The real-size case: every probe on GPT-2 small's layout at 2 ranks, and the summon
+    statistics of its 38.6M-element embedding held to their 1 s budget."""
+    probes = _figures(quick_report)["probes"]
+    gpt2 = {name: stat for name, stat in probes["measurements"].items() if "GPT-2 small" in name}
+    wanted = ("layout", "grad norms", "summon stats of transformer.wte.weight", "memory")
+    assert sorted(name.rsplit(": ", 1)[1] for name in gpt2) == sorted(wanted), list(gpt2)
+    assert all(name.startswith("2 ranks, GPT-2 small") for name in gpt2)
+    (budget,) = [c for c in probes["comparisons"] if c["case"] == "2 ranks, GPT-2 small"]
+    assert budget["subject_name"] == "summon stats of transformer.wte.weight (ours)"
+    assert budget["unavailable"] is None and budget["subject"]["samples"]
+    assert budget["reference"]["samples"] == [1.0]

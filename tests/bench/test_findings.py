@@ -13,7 +13,8 @@ import pytest
 
 from bench.__main__ import FIGURES
 from bench.findings import load, parse
-from bench.report import RunInfo, render_markdown
+from bench.report import render_markdown
+from bench.run_info import RunInfo
 from bench.runner import Comparison, FigureResult, Stat, Target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

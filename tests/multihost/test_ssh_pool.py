@@ -212,6 +212,9 @@ def test_a_remote_rank_killed_by_sigkill_is_reported_with_its_signal_and_log(ssh
     assert error.exit_codes[1] == -9, error.exit_codes
     assert f"rank 1 (pid {victim.pid} on hostb) died: killed by signal SIGKILL" in str(error)
     assert "rank 1 looping" in error.log_tails[1], error.log_tails
+    # what the remote rank wrote during this call, from its launcher: no earlier lines
+    assert "--- rank 1's engine log during this call ---\nrank 1 looping" in str(error), error
+    assert "Handling" not in str(error) and "Registering" not in str(error), error
     assert ssh_pool.state == "broken"
 
 

@@ -16,7 +16,7 @@ from fsdp_interactive.notebook.render import (
     topology_html,
     topology_text,
 )
-from fsdp_interactive.pool._topology import RankRecord
+from fsdp_interactive.pool.common._topology import RankRecord
 
 
 def _layout(hosts: list[str]) -> ModelLayout:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_interactive.pool import Pool
-from fsdp_interactive.pool._pids import still_running
+from fsdp_interactive.pool.processes._pids import still_running
 
 _RECORDED: dict[int, float] = {}
 

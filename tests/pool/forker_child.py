@@ -1,7 +1,7 @@
 """What the engine forker runs in its tests: report what this process sees, then exit.
 
 ``python -m tests.pool.forker_child CODE`` prints one JSON line (pid, session, working
-directory, one environment variable, argv, whether torch is already imported, what stdin
+directory, two environment variables, argv, whether torch is already imported, what stdin
 holds, a numpy random draw, signal dispositions, the nanny pipes it was given) and exits
 with status ``CODE``; ``sleep`` instead of a code waits to be killed.
 """
@@ -34,6 +34,7 @@ def main() -> int:
         "cwd": os.getcwd(),
         "marker": os.environ.get("FORKER_TEST_MARKER"),
         "inherited": os.environ.get("FORKER_TEST_ONLY_IN_FORKER"),
+        "snapshot_root": os.environ.get("FSDPI_SNAPSHOT_ROOT"),
         "argv": sys.argv[1:],
         "torch_preloaded": "torch" in sys.modules,
         "stdin": sys.stdin.read(),

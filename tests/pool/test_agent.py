@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsdp_interactive.pool import _agent_wire, _rank_agent
-from fsdp_interactive.pool._agent_client import RankAgents
+from fsdp_interactive.pool.common import _agent_wire
+from fsdp_interactive.pool.diagnostics._agent_client import RankAgents
+from fsdp_interactive.pool.rank import _agent as _rank_agent
 
 KEY = _agent_wire.derive_key(b"cluster key", b"nonce")
 

@@ -8,7 +8,7 @@ import pytest
 from traitlets.config import Config
 
 from fsdp_interactive.pool import Pool, PoolNotRunning, PoolStartError, visible_cuda_device_count
-from fsdp_interactive.pool._pids import still_running
+from fsdp_interactive.pool.processes._pids import still_running
 from tests.pool.conftest import record, wait_gone
 
 

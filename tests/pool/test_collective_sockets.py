@@ -9,8 +9,8 @@ import socket
 import psutil
 import pytest
 
-from fsdp_interactive.pool._hosts import interface_holding
-from fsdp_interactive.pool._rank_bootstrap import SOCKET_IFNAME_VARS, bind_collective_sockets
+from fsdp_interactive.pool.common._hosts import interface_holding
+from fsdp_interactive.pool.rank._bootstrap import SOCKET_IFNAME_VARS, bind_collective_sockets
 
 
 def _loopback_interface() -> str:
@@ -75,6 +75,6 @@ def test_a_single_host_pool_changes_nothing(clean_env):
 
 @pytest.mark.parametrize("address", ["127.0.1.1", "192.0.2.77"])
 def test_a_loopback_or_foreign_address_is_not_pinned_and_warns(clean_env, caplog, address):
-    with caplog.at_level(logging.WARNING, logger="fsdp_interactive.pool._rank_bootstrap"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_interactive.pool.rank._bootstrap"):
         assert bind_collective_sockets(address, cuda=False) == {}
     assert f"address {address} is" in caplog.text and "GLOO_SOCKET_IFNAME left unset" in caplog.text

@@ -8,12 +8,16 @@ import ipyparallel as ipp
 import psutil
 import pytest
 
-from fsdp_interactive.pool import Pool
-from fsdp_interactive.pool._pids import still_running
+from fsdp_interactive.pool import Pool, visible_cuda_device_count
+from fsdp_interactive.pool.processes import _devices
+from fsdp_interactive.pool.processes._pids import still_running
 from tests.pool.conftest import record, wait_gone
 
 
-def test_connect_to_a_running_cluster(profile_dir):
+def test_connect_to_a_running_cluster(profile_dir, monkeypatch):
+    # This host "has 4 GPUs" (a stand-in for CUDA): the connected engines' own hosts decide.
+    monkeypatch.setattr(_devices, "_count", lambda visible, timeout: 4)
+    assert visible_cuda_device_count() == 4
     cluster = ipp.Cluster(n=2, profile_dir=profile_dir, log_level=logging.ERROR)
     cluster.start_cluster_sync()
     try:
@@ -33,6 +37,8 @@ def test_connect_to_a_running_cluster(profile_dir):
         pool.start()
         record(pool)
         assert {r.pid for r in pool.topology} == set(engine_pids)
+        # The engines report no CUDA device: CPU ranks over gloo, whatever this host has.
+        assert [(r.device, r.backend) for r in pool.topology] == [("cpu", "gloo")] * 2
         assert pool.run("dist.all_reduce(t := torch.ones(1)); t.item()", stream=False).results == {
             0: "2.0",
             1: "2.0",

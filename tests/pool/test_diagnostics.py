@@ -168,7 +168,10 @@ def test_interrupt_says_a_rank_blocked_in_a_collective_needs_a_restart(pool: Poo
         f"rank 0: did not stop: blocked in a collective, {report.blocked[0]}",
         "rank 1: stopped",
     ]
-    assert "only a restart frees it: pool.restart()" in lines[2]
+    assert (
+        "only a new group frees it: pool.recover() (back to the last snapshot) or pool.restart()"
+        in lines[2]
+    )
     pool.restart()
     record(pool)
     assert pool.interrupt().idle == [0, 1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_interactive.pool._collectives import (
+from fsdp_interactive.pool.common._collectives import (
     CollectiveRecord,
     CollectiveTrace,
     RecorderDump,
@@ -10,8 +10,8 @@ from fsdp_interactive.pool._collectives import (
     format_sizes,
     table_rows,
 )
-from fsdp_interactive.pool._dispatch import InterruptReport
-from fsdp_interactive.pool._stacks import Frame, describe, format_stack, with_cell_sources
+from fsdp_interactive.pool.common._stacks import Frame, describe, format_stack, with_cell_sources
+from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
 from fsdp_interactive.pool.errors import PoolBusy, RankError, RankTimeout
 
 

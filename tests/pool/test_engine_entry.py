@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fsdp_interactive.pool._engine_entry import read_connection_info
+from fsdp_interactive.pool.processes._engine_entry import read_connection_info
 
 DOCUMENT = {"key": "k", "interface": "tcp://127.0.0.1", "location": "127.0.0.1"}
 
@@ -41,7 +41,7 @@ def test_a_document_without_the_key_is_not_taken_as_complete(tmp_path):
 
 def _entry(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fsdp_interactive.pool._engine_entry", *args],
+        [sys.executable, "-m", "fsdp_interactive.pool.processes._engine_entry", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,8 +15,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_interactive.pool._engine_forker import check_request
-from fsdp_interactive.pool._forked_launcher import EngineForker, ForkerError
+from fsdp_interactive.pool.processes._engine_forker import check_request
+from fsdp_interactive.pool.processes._forked_launcher import (
+    EngineForker,
+    ForkerError,
+    forker_command,
+)
 
 CHILD = [sys.executable, "-m", "tests.pool.forker_child"]
 
@@ -153,3 +158,131 @@ def test_closing_the_forker_ends_it_and_fails_later_requests(tmp_path):
     assert not forker.running()
     with pytest.raises(ForkerError, match=f"engine forker \\(pid {forker.pid}\\) ended"):
         asyncio.run(forker.fork(CHILD, dict(os.environ), str(tmp_path), str(tmp_path / "c.log")))
+
+
+def test_the_forker_says_when_it_is_ready(forker):
+    assert forker.ready.wait(120)
+    assert forker.remote_pid == forker.pid  # on this host, the forker is the process itself
+    assert forker.ready_s is not None and forker.ready_s > 0
+
+
+def test_a_child_can_extend_the_forkers_environment_and_run_in_its_directory(forker, tmp_path):
+    """What engines on other hosts are given: their own variables on top of the host's
+    environment, the forker's working directory, their output sent back as they end."""
+    log = tmp_path / "collected.log"
+    pid = asyncio.run(
+        forker.fork(
+            [*CHILD, "5"],
+            {"FORKER_TEST_MARKER": "added"},
+            None,
+            str(log),
+            extend_env=True,
+            collect_output=True,
+        )
+    )
+    ended = threading.Event()
+    codes: list[int | None] = []
+    forker.on_exit(pid, lambda code: (codes.append(code), ended.set()))
+    assert ended.wait(60) and codes == [5]
+    output = forker.take_output(pid)
+    assert output is not None and not log.exists()  # sent back, then removed
+    report = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+    assert report["marker"] == "added"
+    assert report["inherited"] == "yes"  # the forker's own environment, extended
+    assert report["cwd"] == os.getcwd()  # the forker's, which it got from this process
+    assert report["snapshot_root"] is None  # this forker has none
+
+
+def test_signal_requests_reach_only_the_forkers_own_children(forker, tmp_path):
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child = Child(forker, ["sleep"], tmp_path / "child.log", tmp_path)
+        child.report()  # running
+        forker.signal(bystander.pid, signal.SIGTERM)  # not its child: ignored
+        forker.signal(child.pid, signal.SIGTERM)
+        assert child.wait() == -signal.SIGTERM
+        forker.signal(child.pid, signal.SIGTERM)  # reaped: ignored, whoever has the pid now
+        time.sleep(0.5)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait(30)
+
+
+def _forker_with_root(tmp_path: Path) -> tuple[EngineForker, Path]:
+    root = tmp_path / "fsdpi-test-root"
+    forker = EngineForker(
+        str(tmp_path / "forker.log"),
+        dict(os.environ),
+        command=forker_command(snapshot_root=str(root)),
+    )
+    return forker, root
+
+
+def _snapshot_in(root: Path) -> None:
+    (root / "s000001").mkdir(parents=True)
+    (root / "s000001" / "manifest.json").write_text("{}")
+
+
+def test_closing_the_forker_ends_its_children_and_removes_the_snapshot_root(tmp_path):
+    forker, root = _forker_with_root(tmp_path)
+    try:
+        child = Child(forker, ["sleep"], tmp_path / "child.log", tmp_path)
+        assert child.report()["snapshot_root"] == str(root)  # handed to every child
+        _snapshot_in(root)
+        forker.close(timeout=30)
+        assert child.wait() == -signal.SIGTERM  # ended, and its end still reported
+        assert not psutil.pid_exists(child.pid)
+        assert not root.exists()
+        assert "removed the snapshot root" in (tmp_path / "forker.log").read_text()
+    finally:
+        forker.close()
+
+
+def test_sigterm_to_the_forker_ends_its_children_and_removes_the_snapshot_root(tmp_path):
+    forker, root = _forker_with_root(tmp_path)
+    try:
+        child = Child(forker, ["sleep"], tmp_path / "child.log", tmp_path)
+        child.report()
+        _snapshot_in(root)
+        os.kill(forker.pid, signal.SIGTERM)
+        assert child.wait() == -signal.SIGTERM
+        assert forker._proc.wait(30) == 0  # a clean exit, not death by the signal
+        assert not root.exists()
+    finally:
+        forker.close()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (sig - 1)))
+
+
+def test_a_forker_that_ends_while_importing_removes_the_snapshot_root(tmp_path):
+    forker, root = _forker_with_root(tmp_path)
+    try:
+        _snapshot_in(root)
+        end = time.monotonic() + 60
+        while not _catches(forker.pid, signal.SIGTERM) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not forker.ready.is_set()  # torch takes seconds to import: still at it
+        os.kill(forker.pid, signal.SIGTERM)
+        assert forker._proc.wait(60) == 0
+        assert not forker.ready.is_set()
+        assert not root.exists()
+    finally:
+        forker.close()
+
+
+def test_a_forker_killed_by_sigkill_leaves_the_root_to_the_reaper(tmp_path):
+    forker, root = _forker_with_root(tmp_path)
+    try:
+        assert forker.ready.wait(120)
+        _snapshot_in(root)
+        os.kill(forker.pid, signal.SIGKILL)
+        assert forker._proc.wait(30) == -signal.SIGKILL
+        assert (root / "s000001" / "manifest.json").exists()
+    finally:
+        forker.close()

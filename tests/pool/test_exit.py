@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive.pool._logs import ENV_VAR
-from fsdp_interactive.pool._pids import end_processes
+from fsdp_interactive.pool.common._logs import ENV_VAR
+from fsdp_interactive.pool.processes._pids import end_processes
 from tests.pool.conftest import run_script, wait_gone
 
 SCRIPT = """

@@ -25,7 +25,9 @@ def test_engines_are_forked_and_a_restart_forks_from_the_same_process(profile_di
         record(pool)
         (forker,) = _engine_parents(pool)
         assert forker in pool.launched_pids  # recorded, so stop() and the reaper end it
-        assert "fsdp_interactive.pool._engine_forker" in " ".join(psutil.Process(forker).cmdline())
+        assert "fsdp_interactive.pool.processes._engine_forker" in " ".join(
+            psutil.Process(forker).cmdline()
+        )
         before = {r.pid for r in pool.topology}
         pool.restart()
         record(pool)

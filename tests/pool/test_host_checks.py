@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_interactive.pool import Pool, PoolStartError
-from fsdp_interactive.pool._hosts import check_controller_ip, versions
 from fsdp_interactive.pool._rendezvous import refuse_other_versions
+from fsdp_interactive.pool.common._hosts import check_controller_ip, versions
 
 
 @pytest.mark.parametrize("value", [None, "*", "0.0.0.0", "127.0.0.1"])

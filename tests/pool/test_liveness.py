@@ -11,7 +11,12 @@ import psutil
 
 from fsdp_interactive.pool import Pool
 from fsdp_interactive.pool._dispatch import dead_ranks
-from fsdp_interactive.pool._pids import end_processes, is_running, start_time, still_running
+from fsdp_interactive.pool.processes._pids import (
+    end_processes,
+    is_running,
+    start_time,
+    still_running,
+)
 
 
 def _sleeper() -> subprocess.Popen:

@@ -7,20 +7,20 @@ import logging
 import pytest
 
 from fsdp_interactive.pool import Pool
-from fsdp_interactive.pool._logs import ENV_VAR, parse_level
+from fsdp_interactive.pool.common._logs import ENV_VAR, parse_level
 from tests.pool.conftest import record, run_script_streams
 
 PHASES = (
-    "fsdp_interactive.pool._processes: controller up in ",
-    "fsdp_interactive.pool._processes: 2 engines started (forked from pid ",
+    "fsdp_interactive.pool.processes._launched: controller up in ",
+    "fsdp_interactive.pool.processes._launched: 2 engines started (forked by this host pid ",
     "fsdp_interactive.pool._rendezvous: 2 engines registered in ",
     "fsdp_interactive.pool._rendezvous: describing engines took ",
     "fsdp_interactive.pool._rendezvous: opening the rendezvous store took ",
     "fsdp_interactive.pool._rendezvous: forming the process group took ",
     "fsdp_interactive.pool._pool: running: 2 ranks, started in ",
-    "fsdp_interactive.pool._processes: engines stopped in ",
-    "fsdp_interactive.pool._processes: controller stopped in ",
-    "fsdp_interactive.pool._processes: engine forker (pid ",
+    "fsdp_interactive.pool.processes._launched: engines stopped in ",
+    "fsdp_interactive.pool.processes._launched: controller stopped in ",
+    "fsdp_interactive.pool.processes._host_forkers: engine forker for this host (pid ",
 )
 
 API_SCRIPT = """
@@ -39,10 +39,8 @@ def test_debug_level_shows_start_up_phases_and_rank_records(profile_dir):
     assert not missing, f"phases not logged: {missing}\n{err}"
     for rank in (0, 1):
         # the ranks' own records: during start-up and from code run later
-        assert (
-            f"[rank {rank}:stderr] DEBUG fsdp_interactive.pool._rank_bootstrap: rank {rank} joined in"
-            in err
-        )
+        joined = f"DEBUG fsdp_interactive.pool.rank._bootstrap: rank {rank} joined in"
+        assert f"[rank {rank}:stderr] {joined}" in err
         assert f"[rank {rank}:stderr] DEBUG fsdp_interactive.probe: hello from {rank}\n" in err
 
 
@@ -65,7 +63,7 @@ def test_fsdp_start_log_level_option_turns_records_on(profile_dir):
     out, err = run_script_streams(MAGIC_SCRIPT, env={"IPYTHONDIR": profile_dir})
     assert "refused:" in out and "--log-level" in out and "'loud'" in out
     assert "fsdp_interactive.pool._pool: running: 1 ranks, started in " in err
-    assert "[rank 0:stderr] DEBUG fsdp_interactive.pool._rank_bootstrap: rank 0 joined in" in err
+    assert "[rank 0:stderr] DEBUG fsdp_interactive.pool.rank._bootstrap: rank 0 joined in" in err
 
 
 def test_ranks_records_are_not_shown_by_default(pool: Pool, capsys):

@@ -6,11 +6,13 @@ import io
 
 import pytest
 
-from fsdp_interactive.pool import RankDied, RankError, RankInterrupted, TaggedPrinter
-from fsdp_interactive.pool._devices import _count, cuda_build
-from fsdp_interactive.pool._stacks import describe, in_distributed, user_stack
-from fsdp_interactive.pool._topology import RankRecord, assign_ranks, format_table
+from fsdp_interactive._bar_state import MIME, BarState
+from fsdp_interactive._lines import final_lines
+from fsdp_interactive.pool import RankDied, RankDisplay, RankError, RankInterrupted, TaggedPrinter
+from fsdp_interactive.pool.common._stacks import describe, in_distributed, user_stack
+from fsdp_interactive.pool.common._topology import RankRecord, assign_ranks, format_table
 from fsdp_interactive.pool.errors import collapse, describe_exit
+from fsdp_interactive.pool.processes._devices import _count, cuda_build
 
 
 def _engine(host: str, pid: int) -> dict:
@@ -84,14 +86,14 @@ Current thread 0x00007f0000000003 (most recent call first):
   File "/tmp/ipykernel_77/124.py", line 2 in <module>
   File "/x/site-packages/IPython/core/interactiveshell.py", line 3577 in run_code
   File "/x/site-packages/ipyparallel/engine/app.py", line 1020 in launch_instance
-  File "/x/site-packages/fsdp_interactive/pool/_engine_entry.py", line 120 in main
-  File "/x/site-packages/fsdp_interactive/pool/_engine_entry.py", line 128 in <module>
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_entry.py", line 120 in main
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_entry.py", line 128 in <module>
   File "/usr/lib/python3.11/runpy.py", line 88 in _run_code
   File "/usr/lib/python3.11/runpy.py", line 226 in run_module
-  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 110 in _run_child
-  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 140 in _fork
-  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 180 in serve
-  File "/x/site-packages/fsdp_interactive/pool/_engine_forker.py", line 197 in main
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 110 in _run_child
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 140 in _fork
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 180 in serve
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 197 in main
 """
 
 
@@ -150,6 +152,26 @@ def test_tagged_printer_tags_whole_lines_and_flushes_partials():
     printer.flush()
     assert out.getvalue() == "[rank 1] one\n[rank 0] hello\n[rank 1] tw\n"
     assert err.getvalue() == "[rank 1:stderr] warn\n"
+
+
+def _bar(text: str, closed: bool = False) -> RankDisplay:
+    state = BarState(n=1.0, total=4.0, left="", right="", text=text, closed=closed)
+    return RankDisplay({"text/plain": text, MIME: state.to_wire()}, display_id="bar")
+
+
+def test_tagged_printer_moves_the_lowest_ranks_line_and_prints_every_final_state():
+    err = io.StringIO()
+    printer = TaggedPrinter(stdout=err, stderr=err)
+    printer(1, "stderr", "\rload  10%")
+    printer.display(0, _bar("train  25%"))
+    printer(1, "stderr", "\rload  60%")
+    assert err.getvalue().endswith("\r[rank 0] train  25%")  # rank 0's moves; rank 1's waits
+    assert "load  60%" not in err.getvalue()
+    printer.display(0, _bar("train 100%", closed=True))
+    printer(1, "stderr", "\rload 100%\nnext")
+    printer.flush()
+    shown = [line.text.rstrip() for line in final_lines(err.getvalue()) if line.text.strip()]
+    assert shown == ["[rank 0] train 100%", "[rank 1:stderr] load 100%", "[rank 1:stderr] next"]
 
 
 def test_device_count_needs_no_probe_when_hidden_or_cpu_build(monkeypatch):

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_interactive.pool._pids import end_processes
+from fsdp_interactive.pool.processes._pids import end_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"

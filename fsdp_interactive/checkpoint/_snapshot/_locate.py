@@ -1,0 +1,279 @@
+"""Finding a snapshot on the hosts of the current group, and making every host hold all
+of it (checked) before a restore.
+
+A restore may run on other ranks than the snapshot's: after a host was lost (its ranks
+gone, its folder with them), at another world size, or with ranks placed on other hosts.
+Each host's folder holds what that host kept; :func:`complete` checks every copy against
+the manifest's SHA-256 (each host's files split across that host's ranks), treats a
+damaged copy as absent, and sends every host the files it lacks from a host with a good
+copy (:mod:`._transfer`), so that afterwards ``checkpoint.load`` reads the snapshot on
+every host from its own folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint._snapshot import _store
+from fsdp_interactive.checkpoint._snapshot._place import (
+    ROOT_ENV,
+    Hosts,
+    host_name,
+    rank_of_file,
+    root_folder,
+)
+from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
+from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
+from fsdp_interactive.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SnapshotError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the snapshot ``id`` is, as this rank (``rank``) of the current group sees it.
+
+    ``present[r]``: the files (name -> size) of rank ``r``'s host's folder of the snapshot
+    (``None`` when that host has no published folder of it).
+    """
+
+    id: str
+    rank: int
+    record: SnapshotRecord
+    manifest: _manifest.Manifest
+    manifest_json: str
+    record_json: str
+    hosts: Hosts
+    roots: list[str]
+    present: list[dict[str, int] | None]
+
+    @property
+    def folder(self) -> Path:
+        """This rank's host's folder of the snapshot (published, or to be)."""
+        return Path(self.roots[self.rank]) / self.id
+
+    def good_size(self, host: str) -> list[str]:
+        """The snapshot's files ``host`` holds at their manifest sizes."""
+        present = self.present[self.hosts.leader(host)] or {}
+        return [n for n, rec in sorted(self.manifest.files.items()) if present.get(n) == rec.size]
+
+
+def _check_id(snapshot_id: object) -> None:
+    if snapshot_id is not None and (
+        not isinstance(snapshot_id, str) or _store.id_number(snapshot_id) is None
+    ):
+        raise ValueError(
+            f"snapshot_id must be a snapshot id such as 's000003' (see list_snapshots()) or "
+            f"None for the newest, got {snapshot_id!r}"
+        )
+
+
+def _read_texts(folder: Path) -> tuple[str, str] | None:
+    try:
+        return (
+            (folder / _manifest.MANIFEST_FILE).read_text(encoding="utf-8"),
+            (folder / _store.RECORD_FILE).read_text(encoding="utf-8"),
+        )
+    except OSError:
+        return None
+
+
+def _present(folder: Path) -> dict[str, int] | None:
+    if not folder.is_dir():
+        return None
+    found = {}
+    for child in folder.iterdir():
+        if not child.name.startswith(".") or child.name == ".metadata":
+            try:
+                found[child.name] = child.stat().st_size
+            except OSError:
+                continue
+    return found
+
+
+def locate(snapshot_id: object, ranks: Ranks) -> Located:
+    """Find ``snapshot_id`` (``None``: the newest on any host) on the current group's hosts;
+    collective. ``ValueError`` for what is not a snapshot id, :class:`SnapshotError` when
+    no host holds it."""
+    _check_id(snapshot_id)
+    root = root_folder()
+    first = ranks.all_gather((host_name(), str(root), _store.published_ids(root)))
+    hosts = Hosts(tuple(f[0] for f in first))
+    roots = [f[1] for f in first]
+    mixed = hosts.mixed_roots(roots)
+    if mixed:
+        raise SnapshotError(
+            f"ranks on one host use different snapshot folders ({mixed}): give every rank "
+            f"of a host the same {ROOT_ENV}"
+        )
+    listed = {host: first[hosts.leader(host)][2] for host in hosts.order}
+    if snapshot_id is None:
+        every = {i for ids in listed.values() for i in ids}
+        if not every:
+            raise SnapshotError(
+                f"no snapshot on any host ({', '.join(f'{h}: {roots[hosts.leader(h)]}' for h in hosts.order)}); "
+                "take one with fsdp_interactive.snapshot(model=..., optimizer=...)"
+            )
+        snapshot_id = max(every, key=lambda i: _store.id_number(i) or 0)
+    folder = root / snapshot_id
+    second = ranks.all_gather((_present(folder), _read_texts(folder)))
+    present = [s[0] for s in second]
+    texts = [(r, s[1]) for r, s in enumerate(second) if s[1] is not None]
+    if not texts:
+        raise SnapshotError(
+            f"snapshot {snapshot_id} is on no host of this group (snapshots there: {listed}); "
+            "restore one of those, or a disk checkpoint with checkpoint.load"
+        )
+    problems = []
+    for rank, (manifest_json, record_json) in texts:
+        source = Path(roots[rank]) / snapshot_id
+        try:
+            manifest = _manifest.Manifest.from_json(manifest_json, source / _manifest.MANIFEST_FILE)
+            record = SnapshotRecord.from_json(record_json, source / _store.RECORD_FILE)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        return Located(
+            snapshot_id, ranks.rank, record, manifest, manifest_json, record_json,
+            hosts, roots, present,
+        )  # fmt: skip
+    raise CorruptCheckpointError(f"snapshot {snapshot_id}: " + "; ".join(problems))
+
+
+@dataclass
+class Completed:
+    """What :func:`complete` did (the same on every rank)."""
+
+    copied_files: int = 0
+    copied_bytes: int = 0
+    repaired: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _verify_share(located: Located) -> list[str]:
+    """The files this rank checks (its share of its host's), that fail their checksum."""
+    host = located.hosts.of_rank[located.rank]
+    mates = located.hosts.ranks_on(host)
+    mine = located.good_size(host)[mates.index(located.rank) :: len(mates)]
+    return [
+        name
+        for name in mine
+        if _manifest.verify_file(located.folder, name, located.manifest.files[name]) is not None
+    ]
+
+
+def _unavailable_error(
+    located: Located, lost: list[str], damaged: dict[str, list[str]]
+) -> Exception:
+    corrupt = sorted(n for n in lost if n in damaged)
+    if corrupt:
+        where = "; ".join(f"{n} on {', '.join(damaged[n])}" for n in corrupt)
+        return CorruptCheckpointError(
+            f"snapshot {located.id} is damaged: {where} fail their checksum and no host holds "
+            "a good copy; nothing was loaded. Restore an older snapshot (list_snapshots()) "
+            "or a disk checkpoint",
+            file=corrupt[0],
+        )
+    owners = sorted({rank_of_file(n) for n in lost} - {None})
+    saved_hosts = located.record.hosts
+    by = ", ".join(f"rank {r} on {saved_hosts[r]}" for r in owners if r < len(saved_hosts))
+    return SnapshotError(
+        f"snapshot {located.id} is incomplete on the hosts of this group "
+        f"({', '.join(located.hosts.order)}): {', '.join(lost)}"
+        + (f" (written by {by})" if by else "")
+        + " are on none of them; nothing was loaded. Restore it where those hosts are "
+        "reachable, or restore an older snapshot or a disk checkpoint"
+    )
+
+
+def complete(located: Located, ranks: Ranks) -> Completed:
+    """Check every host's copy and send every host what it lacks; collective.
+
+    Raises on every rank, before anything is loaded: :class:`CorruptCheckpointError` when a
+    file's only copies fail their checksum, :class:`SnapshotError` when a file is on no
+    host of the group. A host without the snapshot's folder gets a new one, published
+    once complete; a host with one gets the missing files renamed into it one by one.
+    """
+    done = Completed()
+    hosts = located.hosts
+    started = time.monotonic()
+    bad = ranks.all_gather(_verify_share(located))
+    damaged: dict[str, list[str]] = {}
+    for rank, names in enumerate(bad):
+        for name in names:
+            damaged.setdefault(name, []).append(hosts.of_rank[rank])
+    good = {
+        host: set(located.good_size(host)) - {n for r in hosts.ranks_on(host) for n in bad[r]}
+        for host in hosts.order
+    }
+    done.phases["verify"] = time.monotonic() - started
+
+    started = time.monotonic()
+    transfers, lost = [], []
+    for host in hosts.order:
+        lacking = [n for n in sorted(located.manifest.files) if n not in good[host]]
+        targets = hosts.ranks_on(host)
+        for index, name in enumerate(lacking):
+            sources = [h for h in hosts.order if name in good[h]]
+            if not sources:
+                lost.append(name)
+                continue
+            senders = hosts.ranks_on(sources[index % len(sources)])
+            record = located.manifest.files[name]
+            transfers.append(
+                Transfer(name, record.size, record.sha256, senders[index % len(senders)],
+                         targets[index % len(targets)])
+            )  # fmt: skip
+            if name in (located.present[hosts.leader(host)] or {}):
+                done.repaired.append(f"{name} on {host}")
+    if lost:
+        raise _unavailable_error(located, sorted(set(lost)), damaged)
+    my_host = hosts.of_rank[located.rank]
+    fresh = located.present[hosts.leader(my_host)] is None
+    target = _layout.partial_path(located.folder, ranks.from_rank0(_layout.new_token()))
+    target = target if fresh else located.folder
+    problem = None
+    if fresh and hosts.is_leader(located.rank):
+        try:
+            target.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"rank {located.rank}: cannot create {target}: {exc}"
+    _agree(ranks, problem, "preparing the folders")
+    result = exchange(transfers, ranks, source=located.folder, target=target)
+    _agree(ranks, "; ".join(result.problems) or None, "copying files between hosts")
+    problem = None
+    if hosts.is_leader(located.rank) and (fresh or not (target / _store.RECORD_FILE).is_file()):
+        try:
+            _store.write_descriptions(target, located.manifest_json, located.record_json)
+            if fresh:
+                _layout.publish(target, located.folder)
+        except Exception as exc:
+            problem = f"rank {located.rank}: cannot publish {located.folder}: {exc}"
+    _agree(ranks, problem, "publishing the completed folders")
+    done.copied_files = len(transfers)
+    done.copied_bytes = sum(t.size for t in transfers)
+    done.phases["copy"] = time.monotonic() - started
+    if transfers:
+        logger.info(
+            "snapshot %s: %d files (%d bytes) copied between hosts, %d damaged copies replaced",
+            located.id,
+            done.copied_files,
+            done.copied_bytes,
+            len(done.repaired),
+        )
+    return done
+
+
+def _agree(ranks: Ranks, problem: str | None, what: str) -> None:
+    problems = [p for p in ranks.all_gather(problem) if p is not None]
+    if problems:
+        raise SnapshotError(f"restoring the snapshot failed while {what}: " + "; ".join(problems))

@@ -1,0 +1,187 @@
+"""After DCP wrote every rank's shards: checksums, the metadata and the ring copies on
+every host, the descriptions, the publishing rename per host, rotation, the notice.
+
+Collective over the snapshot's ranks, in this order, each step agreed before the next:
+
+1. every rank hashes its own data files; rank 0 shares the DCP metadata;
+2. every host's leader writes the metadata into its host's folder, and every rank's
+   files are sent to the following host (:mod:`._transfer`), checked on arrival;
+3. every host's leader writes ``manifest.json`` and ``snapshot.json`` (the same on every
+   host) and renames its folder to the snapshot's id: the snapshot is published there;
+4. once every host has published, each leader removes its snapshots beyond
+   ``keep_last``; rank 0 publishes a ``{"kind": "snapshot", ...}`` notice.
+
+A step that fails on any rank fails on all, and the leaders remove the unfinished
+folders. A rank killed at any point leaves dot-folders (never listed, removed by the
+next snapshot) and every earlier snapshot whole; killed between two hosts' renames, the
+new snapshot is published on some hosts only, holding every file it needs on those
+(the ring copies arrived before any rename), and rotation has not run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from datetime import datetime, timezone
+
+from fsdp_interactive import _notices
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint._pipeline import Contents
+from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
+from fsdp_interactive.checkpoint._snapshot import _store
+from fsdp_interactive.checkpoint._snapshot._plan import SnapshotPlan
+from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
+from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
+from fsdp_interactive.checkpoint.errors import SnapshotError
+
+logger = logging.getLogger(__name__)
+
+
+def abandon(plan: SnapshotPlan) -> None:
+    """Remove this host's unfinished folder of ``plan`` (its leader does; best effort)."""
+    if plan.leader:
+        shutil.rmtree(plan.partial, ignore_errors=True)
+
+
+def _agree(ranks: Ranks, problem: str | None, what: str) -> None:
+    problems = [p for p in ranks.all_gather(problem) if p is not None]
+    if problems:
+        raise SnapshotError(f"snapshot failed while {what}: " + "; ".join(problems))
+
+
+def _hash_own(plan: SnapshotPlan) -> tuple[dict[str, _manifest.FileRecord], str | None]:
+    try:
+        own = sorted(p for p in plan.partial.glob(f"__{plan.rank}_*") if p.is_file())
+        return {p.name: _manifest.hash_file(p) for p in own}, None
+    except Exception as exc:
+        return {}, f"rank {plan.rank}: cannot read back its files in {plan.partial}: {exc}"
+
+
+def _spread(plan: SnapshotPlan, ranks: Ranks, gathered: list, metadata: bytes) -> None:
+    """Step 2: the metadata on every host, every rank's files on the following host."""
+    problem = None
+    if plan.leader and plan.rank != 0 and plan.host != plan.hosts.of_rank[0]:
+        try:
+            (plan.partial / METADATA_FILE).write_bytes(metadata)
+        except Exception as exc:
+            problem = f"rank {plan.rank}: cannot write the metadata into {plan.partial}: {exc}"
+    transfers = []
+    for rank, (records, _, _) in enumerate(gathered):
+        receiver = plan.hosts.receiver(rank)
+        if receiver is not None:
+            for name, rec in sorted(records.items()):
+                transfers.append(Transfer(name, rec.size, rec.sha256, rank, receiver))
+    done = exchange(transfers, ranks, source=plan.partial, target=plan.partial)
+    problems = [p for p in [problem, *done.problems] if p is not None]
+    _agree(ranks, "; ".join(problems) or None, "copying files to the following host")
+    if transfers:
+        logger.info(
+            "snapshot %s: rank %d sent %d bytes to the following host, received %d files",
+            plan.id,
+            plan.rank,
+            done.sent_bytes,
+            len(done.received),
+        )
+
+
+def _describe(
+    plan: SnapshotPlan,
+    contents: Contents,
+    files: dict[str, _manifest.FileRecord],
+    seconds: float,
+) -> tuple[_manifest.Manifest, SnapshotRecord]:
+    """The manifest and record, built from agreed data only: identical on every rank."""
+    manifest = _manifest.Manifest(
+        step=plan.step,
+        world_size=len(plan.hosts.of_rank),
+        created_unix=plan.created,
+        created_utc=datetime.fromtimestamp(plan.created, timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        has_optimizer=contents.has_optimizer,
+        files=files,
+        stateful=contents.stateful,
+    )
+    names = sorted(files)
+    record = SnapshotRecord(
+        id=plan.id,
+        step=plan.step,
+        created=plan.created,
+        world_size=len(plan.hosts.of_rank),
+        hosts=list(plan.hosts.of_rank),
+        names=plan.names,
+        keys=plan.keys,
+        bytes_per_host={
+            host: sum(files[n].size for n in plan.hosts.files_kept(host, names))
+            for host in plan.hosts.order
+        },
+        seconds=seconds,
+        call=plan.call,
+    )
+    return manifest, record
+
+
+def finish(
+    plan: SnapshotPlan, contents: Contents, ranks: Ranks, *, blocking: float | None
+) -> SnapshotRecord:
+    """Steps 1-4 (see the module). ``blocking``: the blocking seconds of a background
+    snapshot (``None``: synchronous, the whole call until publishing counts)."""
+    try:
+        return _finish(plan, contents, ranks, blocking)
+    except BaseException:
+        abandon(plan)
+        raise
+
+
+def _finish(
+    plan: SnapshotPlan, contents: Contents, ranks: Ranks, blocking: float | None
+) -> SnapshotRecord:
+    records, problem = _hash_own(plan)
+    metadata = b""
+    if plan.rank == 0:
+        try:
+            metadata = (plan.partial / METADATA_FILE).read_bytes()
+        except Exception as exc:
+            problem = f"rank 0: cannot read the DCP metadata in {plan.partial}: {exc}"
+    gathered = ranks.all_gather((records, metadata if plan.rank == 0 else None, problem))
+    _agree(ranks, problem, "reading back the written files")
+    metadata = gathered[0][1]
+    files = {name: rec for own, _, _ in gathered for name, rec in own.items()}
+    files[METADATA_FILE] = _manifest.FileRecord(
+        size=len(metadata), sha256=hashlib.sha256(metadata).hexdigest()
+    )
+    _spread(plan, ranks, gathered, metadata)
+
+    # The longest rank's blocking time: the snapshot held training back that long.
+    seconds = max(ranks.all_gather(plan.elapsed() if blocking is None else blocking))
+    manifest, record = _describe(plan, contents, files, seconds)
+    problem = None
+    if plan.leader:
+        try:
+            _store.write_descriptions(plan.partial, manifest.to_json(), record.to_json())
+        except Exception as exc:
+            problem = f"rank {plan.rank}: cannot write the descriptions in {plan.partial}: {exc}"
+    _agree(ranks, problem, "describing the snapshot")
+    if plan.leader:
+        try:
+            _layout.publish(plan.partial, plan.final)
+        except Exception as exc:
+            problem = f"host {plan.host}: {exc}"
+    _agree(ranks, problem, "publishing it (on some hosts it may be published)")
+
+    removed = _store.rotate(plan.root, plan.keep_last, plan.id) if plan.leader else []
+    ranks.all_gather(len(removed))  # every rank returns once every host has rotated
+    logger.info(
+        "snapshot %s published on %d hosts (%s bytes per host) in %.3fs",
+        plan.id,
+        len(plan.hosts.order),
+        record.bytes_per_host,
+        plan.elapsed(),
+    )
+    if plan.rank == 0:
+        # ``held``: what every host keeps after the rotation, so the kernel forgets the rest.
+        held = _store.published_ids(plan.root)
+        _notices.publish({"kind": "snapshot", **record.to_dict(), "held": held})
+    return record

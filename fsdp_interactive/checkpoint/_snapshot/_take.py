@@ -1,0 +1,245 @@
+"""``fsdp_interactive.snapshot(...)``: the training state into host memory, published
+atomically on every host, with a copy of each host's files on the next host."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_interactive import _notices
+from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._step_counter import StepCounter
+from fsdp_interactive.checkpoint import _pipeline
+from fsdp_interactive.checkpoint._handle import INFLIGHT as SAVES
+from fsdp_interactive.checkpoint._rng import RNGState
+from fsdp_interactive.checkpoint._snapshot import _plan, _publish, _room
+from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT, SnapshotHandle
+from fsdp_interactive.checkpoint._snapshot._names import record_names
+from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
+from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
+from fsdp_interactive.checkpoint._stateful import check_stateful
+from fsdp_interactive.fsdp._fqn_state import map_tensors
+
+logger = logging.getLogger(__name__)
+
+#: The name under which every snapshot keeps each rank's random generators (a
+#: :class:`~fsdp_interactive.checkpoint.RNGState`, per rank).
+RNG_KEY = "snapshot_rng"
+
+
+def snapshot(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | StepCounter | None = None,
+    keep_last: int = 1,
+    background: bool = False,
+    **stateful: Any,
+) -> SnapshotRecord | SnapshotHandle:
+    """Snapshot the training state into host memory; collective over every rank.
+
+    Call it on every rank, with the same arguments, from a training loop (every K steps)
+    or a cell. It keeps, in this host's snapshot folder (``$FSDPI_SNAPSHOT_ROOT``, a pool
+    sets it to a folder under ``/dev/shm``), each rank's shards of ``model`` and
+    ``optimizer``, each rank's random generators (CPU and CUDA, as
+    :class:`~fsdp_interactive.checkpoint.RNGState` saves them), and the ``stateful``
+    keywords' objects (LR schedulers, samplers, step counters: anything with
+    ``state_dict`` / ``load_state_dict``; see :func:`fsdp_interactive.checkpoint.save`
+    for global and per-rank ones). It records the variable of the calling code's
+    globals that holds each object (by identity), for :func:`restore_snapshot` after the
+    cells that create them were run again.
+
+    ``step``: the training step (an int), recorded in the snapshot's record; a
+    :class:`~fsdp_interactive.checkpoint.StepCounter` is also kept as a stateful object
+    (under ``step``) and so restored in place, where a plain int variable cannot be.
+
+    * With ranks on several hosts, every rank's files also go to the following host (hosts
+      in the order their names first appear in rank order), over gloo: one lost host
+      loses no file. Every host holds the metadata and the descriptions.
+    * Published atomically per host (one rename once complete there). Snapshots beyond
+      the newest ``keep_last`` (an int >= 1) are removed only after every host published
+      the new one.
+    * Refused before anything is written, with the same error on every rank and the
+      previous snapshot kept: :class:`~fsdp_interactive.checkpoint.SnapshotSpaceError`
+      when a host's folder lacks room for what it would keep; ``TypeError`` /
+      ``ValueError`` for bad arguments (``model`` not a module, ``keep_last`` < 1, a
+      keyword starting with ``_`` or named ``snapshot_rng``, an object without
+      ``state_dict``/``load_state_dict``).
+    * ``background=False``: returns the :class:`SnapshotRecord` once published.
+      ``background=True``: copies the state to CPU memory in the calling thread (the
+      blocking part, in ``handle.seconds``), then writes and publishes on a background
+      thread (its collectives on a gloo group of their own) and returns a
+      :class:`SnapshotHandle` at once; changing the model or the objects afterwards does
+      not change what is written. A snapshot started while this process's previous
+      background snapshot is still written waits for it first (so do
+      :func:`restore_snapshot` and :func:`persist_snapshot`).
+    * After publishing, rank 0 publishes the notice ``{"kind": "snapshot", **record}``
+      (:mod:`fsdp_interactive._notices`); ``record.call`` is the notebook call current
+      when ``snapshot`` was called.
+
+    Faults: if a rank dies, a collective wedges or a host goes away while a snapshot is
+    written, the other ranks' calls fail (gloo's closed connection, at the latest the
+    process group's timeout) and the snapshot is not published on the hosts that had not
+    renamed it yet; its dot-folders are never listed and the next snapshot removes them.
+    Every snapshot published before stays whole: the shared memory outlives the ranks.
+    What is not kept: variables other than the objects given, data loader iterators,
+    and the memory of a lost host (its ranks' files live on in the following host's copy).
+
+    While a recovery replays the call that contains it
+    (:func:`fsdp_interactive._notices.replaying`), nothing is written: a new snapshot would
+    replace the one being recovered to. The newest snapshot's record (or a finished handle
+    holding it) is returned instead, so the replayed code runs on unchanged.
+    """
+    if _notices.replaying():
+        return _while_replaying(background)
+    frame = inspect.currentframe()
+    caller = frame.f_back if frame is not None else None
+    namespace = caller.f_globals if caller is not None else {}
+    return take(
+        model,
+        optimizer,
+        step=step,
+        keep_last=keep_last,
+        background=background,
+        stateful=stateful,
+        namespace=namespace,
+    )
+
+
+def _while_replaying(background: bool) -> SnapshotRecord | SnapshotHandle | None:
+    """What ``snapshot()`` returns while a recovery replays it: the newest snapshot's
+    record, as a finished handle for ``background=True`` (``None`` when there is none)."""
+    from fsdp_interactive.checkpoint._snapshot._store import list_snapshots
+
+    held = list_snapshots()
+    newest = held[-1] if held else None
+    logger.info(
+        "snapshot() skipped: a recovery replays this call (newest snapshot: %s)",
+        newest.id if newest else None,
+    )
+    if not background or newest is None:
+        return newest
+    handle = SnapshotHandle(newest.id, 0.0)
+    handle._finish(newest)
+    return handle
+
+
+def _check(
+    model: Any, optimizer: Any, step: Any, keep_last: Any, background: Any, stateful: Mapping
+) -> None:
+    if model is None:
+        raise TypeError("snapshot() needs model=<the sharded torch module> (got None)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    if not isinstance(background, bool):
+        raise TypeError(f"background must be True or False, got {background!r}")
+    reserved = sorted(k for k in stateful if k.startswith("_") or k == RNG_KEY)
+    if reserved:
+        raise ValueError(
+            f"stateful keywords {reserved} are reserved (names starting with '_' and "
+            f"{RNG_KEY!r}, which holds every rank's random generators); use other keywords"
+        )
+
+
+def _tensor_count(state: Any) -> int:
+    count = 0
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return tensor
+
+    map_tensors(state, one)
+    return count
+
+
+def take(
+    model: Any,
+    optimizer: Any,
+    *,
+    step: int | StepCounter | None,
+    keep_last: int,
+    background: bool,
+    stateful: Mapping[str, Any],
+    namespace: Mapping[str, Any],
+) -> SnapshotRecord | SnapshotHandle:
+    """:func:`snapshot` with the namespace its names are looked up in given explicitly."""
+    started, created, call = time.monotonic(), time.time(), _notices.current_call()
+    if isinstance(step, StepCounter):  # kept as a stateful object, restored in place
+        stateful = {**stateful, "step": step}
+        step = int(step)
+    _check(model, optimizer, step, keep_last, background, stateful)
+    names = record_names(namespace, model, optimizer, stateful)
+    INFLIGHT.wait()
+    if background:
+        # Staging may go through buffers a process keeps for every async write (pinned
+        # ones for CUDA state): an async checkpoint save still writing from them must end
+        # first, as a checkpoint save waits for a snapshot in flight.
+        SAVES.make_room("wait", Ranks(local=True))
+    ranks = snapshot_ranks()
+    objects = check_stateful({**stateful, RNG_KEY: RNGState()})
+    captured = _pipeline.capture(model, optimizer, objects, ranks)
+    plan = _plan.plan(
+        ranks,
+        need=_room.estimate(captured.local_bytes(), _tensor_count(captured.state)),
+        keep_last=keep_last,
+        step=step,
+        created=created,
+        started=started,
+        call=call,
+        names=names,
+        keys=sorted(captured.state["model"]),
+    )
+    request = _pipeline.SaveRequest(plan.final, step, None, False, "{}")
+    mode: _pipeline.Mode = "async" if background else "sync"
+    writing = _pipeline.SavePlan(request, plan.partial, mode, started)
+    if not background:
+        try:
+            _pipeline._write(captured.state, writing, ranks)
+        except BaseException:
+            _publish.abandon(plan)
+            raise
+        return _publish.finish(plan, captured.contents, ranks, blocking=None)
+
+    try:
+        upload = _pipeline._stage(captured.state, writing, ranks)
+    except BaseException:
+        _publish.abandon(plan)
+        raise
+    handle = SnapshotHandle(plan.id, plan.elapsed())
+    contents = captured.contents
+    del captured  # the background thread keeps the staged copy only
+    logger.info("snapshot %s staged in %.3fs; writing in the background", plan.id, handle.seconds)
+
+    def write_and_publish() -> None:
+        try:
+            try:
+                _pipeline._await_upload(upload, writing, ranks)
+            except BaseException:
+                _publish.abandon(plan)
+                raise
+            record = _publish.finish(plan, contents, ranks, blocking=handle.seconds)
+        except BaseException as exc:
+            logger.warning("background snapshot %s failed: %s", plan.id, exc)
+            handle._finish(None, exc)
+        else:
+            handle._finish(record)
+
+    INFLIGHT.hold(handle)
+    threading.Thread(target=write_and_publish, name=f"snapshot:{plan.id}", daemon=True).start()
+    return handle

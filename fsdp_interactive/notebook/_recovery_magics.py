@@ -1,0 +1,130 @@
+"""``%fsdp snapshot``, ``%fsdp journal`` and ``%fsdp recover``: keeping the work through a
+fault, from the notebook.
+
+A part of :class:`~.magics.FsdpMagics` (a base class); ``%fsdp`` dispatches its
+subcommands here. The ranks take snapshots themselves (``fsdp_interactive.snapshot(...)``
+in a training loop); these magics take one between cells, show what the pool recorded and
+bring the ranks back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from fsdp_interactive.notebook._magic_io import current_cell_number
+from fsdp_interactive.notebook._snapshot_calls import persist_snapshot, take_snapshot
+
+
+class RecoveryMagics:
+    """The recovery subcommands of ``%fsdp``."""
+
+    pool: Any
+    shell: Any
+
+    def _require_pool(self) -> Any:
+        raise NotImplementedError
+
+    def _parse(self, func: Any, rest: str, command: str) -> Any:
+        raise NotImplementedError
+
+    @magic_arguments()
+    @argument("model", nargs="?", default=None, help="rank variable holding the model")
+    @argument("optimizer", nargs="?", default=None, help="rank variable holding the optimizer")
+    @argument("--stateful", default="", help="more rank variables to keep: sched,sampler")
+    @argument(
+        "--step",
+        default=None,
+        help="the training step it is taken at: a number, or a rank variable (a StepCounter)",
+    )
+    @argument("--keep-last", type=int, default=1, help="snapshots kept in host memory")
+    @argument(
+        "--persist",
+        default=None,
+        metavar="DIR",
+        help="write the snapshot (the newest, without MODEL) to a checkpoint folder on disk",
+    )
+    def _fsdp_snapshot(self, rest: str) -> None:
+        """%fsdp snapshot"""
+        args = self._parse(self._fsdp_snapshot, rest, "snapshot")
+        pool = self._require_pool()
+        if args.keep_last < 1:
+            raise UsageError(f"--keep-last {args.keep_last}: type a number of snapshots >= 1")
+        stateful = [name for name in args.stateful.split(",") if name]
+        if args.step is not None and not (args.step.isdigit() or args.step.isidentifier()):
+            raise UsageError(
+                f"--step {args.step!r}: type a step number or the rank variable that counts "
+                "steps, e.g. --step 100 or --step step"
+            )
+        for name in [args.model, args.optimizer, *stateful]:
+            if name is not None and not name.isidentifier():
+                raise UsageError(f"%fsdp snapshot {name!r}: type rank variable names")
+        if args.model is None:
+            if args.persist is None:
+                raise UsageError(
+                    "%fsdp snapshot needs the rank variables to keep: type e.g. "
+                    "%fsdp snapshot model optim --stateful sched"
+                )
+            self._persist(pool, None, args.persist)
+            return
+        step = None if args.step is None else int(args.step) if args.step.isdigit() else args.step
+        taken = take_snapshot(
+            pool,
+            args.model,
+            args.optimizer,
+            step=step,
+            keep_last=args.keep_last,
+            stateful=stateful,
+            cell=current_cell_number(self.shell),
+        )
+        print(f"took {taken.describe() if not isinstance(taken, str) else 'snapshot ' + taken}")
+        if args.persist is not None:
+            self._persist(pool, taken if isinstance(taken, str) else taken.id, args.persist)
+
+    @staticmethod
+    def _persist(pool: Any, snapshot_id: str | None, folder: str) -> None:
+        known = pool.snapshots()
+        if snapshot_id is None:
+            if not known:
+                raise UsageError(
+                    "%fsdp snapshot --persist: no snapshot yet; take one with "
+                    "%fsdp snapshot MODEL OPTIMIZER --persist DIR"
+                )
+            snapshot_id = known[-1].id
+        persist_snapshot(pool, snapshot_id, folder)
+        print(
+            f"snapshot {snapshot_id} written to {folder} (load it with fsdp_interactive."
+            f"checkpoint.load, or %fsdp recover --from {folder})"
+        )
+
+    @magic_arguments()
+    @argument("--last", type=int, default=None, help="show only the last N calls")
+    def _fsdp_journal(self, rest: str) -> None:
+        """%fsdp journal"""
+        args = self._parse(self._fsdp_journal, rest, "journal")
+        if self.pool is None:
+            raise UsageError("no pool; start one with %fsdp start -n 2")
+        if args.last is not None and args.last < 1:
+            raise UsageError(f"--last {args.last}: type a number of calls >= 1")
+        print(self.pool.journal.table(last=args.last))
+        snapshots = self.pool.snapshots()
+        if snapshots:
+            print("\nsnapshots: " + "; ".join(s.describe() for s in snapshots))
+
+    @magic_arguments()
+    @argument("--from", dest="source", default=None, help="a snapshot id or checkpoint folder")
+    @argument("--world", type=int, default=None, help="number of ranks to recover onto")
+    @argument("--dry-run", action="store_true", help="print the plan only")
+    def _fsdp_recover(self, rest: str) -> None:
+        """%fsdp recover"""
+        args = self._parse(self._fsdp_recover, rest, "recover")
+        if self.pool is None:
+            raise UsageError("no pool to recover; start one with %fsdp start -n 2")
+        if args.world is not None and args.world < 1:
+            raise UsageError(f"--world {args.world}: type a number of ranks >= 1")
+        try:
+            self.pool.recover(args.source, world=args.world, dry_run=args.dry_run)
+        except ValueError as error:
+            raise UsageError(f"%fsdp recover: {error}") from None

@@ -1,0 +1,186 @@
+"""The pool's journal: every notebook call that built the ranks' state, so that a recovery
+can build it again.
+
+Each ``Pool.run`` (and so each ``%%fsdp`` cell) is one :class:`JournalEntry`: its code,
+cell number, targets, outcome, duration, whether it may be replayed (``%%fsdp
+--no-replay`` says no) and the snapshots taken while it ran. Calls the package makes for
+itself (probes, panels) are not entries.
+
+Entries belong to an *epoch*: the life of one process group. ``restart()`` starts an
+epoch with nothing behind it (an empty group); a recovery to snapshot ``S`` starts an
+epoch whose *base* is the entries it replayed for ``S``: the state it starts from is what
+those entries built plus ``S``. :meth:`Journal.replay_for` is then, for a snapshot taken
+during entry ``E``: the base of ``E``'s epoch, followed by that epoch's entries before
+``E`` that succeeded and may be replayed.
+
+Faults: the journal lives in the kernel, so a dead rank, a wedged collective or a lost
+host leaves it whole; an entry whose call was cut short by one records that outcome
+(``died``, ``timeout``, ``interrupted``) and is never replayed. ``stop()`` keeps it
+(``Pool.journal`` stays readable); a new ``start()`` of a stopped pool begins an empty
+epoch, like ``restart()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fsdp_interactive._text import text_table
+from fsdp_interactive.pool.errors import RankDied
+
+#: Outcomes of an entry; only ``ok`` entries are replayed.
+OUTCOMES = ("running", "ok", "error", "timeout", "interrupted", "died")
+
+
+def outcome_of(error: BaseException) -> str:
+    """The outcome of a call that raised ``error``."""
+    if isinstance(error, RankDied):
+        return "died"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return "error"
+
+
+@dataclass
+class JournalEntry:
+    """One notebook call on the ranks.
+
+    ``id``: increasing over the pool's life; ``epoch``: the group it ran on; ``cell``: the
+    notebook's execution count (``None`` for a ``Pool.run`` without one); ``targets``:
+    ``None`` for every rank; ``started``: wall-clock time; ``seconds``: how long it ran
+    (``None`` while running); ``replay``: may be replayed; ``snapshots``: ids of the
+    snapshots taken while it ran.
+    """
+
+    id: int
+    epoch: int
+    source: str
+    cell: int | None = None
+    targets: list[int] | None = None
+    started: float = field(default_factory=time.time)
+    seconds: float | None = None
+    outcome: str = "running"
+    replay: bool = True
+    snapshots: list[str] = field(default_factory=list)
+
+    @property
+    def replayable(self) -> bool:
+        return self.replay and self.outcome == "ok"
+
+    @property
+    def label(self) -> str:
+        """``In[12]`` for a cell, ``call 7`` otherwise."""
+        return f"In[{self.cell}]" if self.cell is not None else f"call {self.id}"
+
+    def first_line(self, width: int = 48) -> str:
+        line = next((ln.strip() for ln in self.source.splitlines() if ln.strip()), "")
+        return line if len(line) <= width else line[: width - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One process group's life: ``base`` is the entries a recovery replayed to begin it
+    (empty after a start or restart); ``snapshot``: the snapshot it was recovered to."""
+
+    number: int
+    base: tuple[JournalEntry, ...] = ()
+    snapshot: str | None = None
+
+
+class Journal:
+    """The entries of one pool, across restarts and recoveries."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.entries: list[JournalEntry] = []
+        self.epochs: list[Epoch] = [Epoch(0)]
+
+    @property
+    def epoch(self) -> Epoch:
+        return self.epochs[-1]
+
+    def begin(
+        self,
+        source: str,
+        *,
+        cell: int | None = None,
+        targets: Sequence[int] | None = None,
+        replay: bool = True,
+    ) -> JournalEntry:
+        """A new running entry in the current epoch."""
+        entry = JournalEntry(
+            id=next(self._ids),
+            epoch=self.epoch.number,
+            source=source,
+            cell=cell,
+            targets=None if targets is None else list(targets),
+            replay=replay,
+        )
+        self.entries.append(entry)
+        return entry
+
+    @staticmethod
+    def finish(entry: JournalEntry, outcome: str) -> None:
+        if outcome not in OUTCOMES[1:]:
+            raise ValueError(f"outcome must be one of {OUTCOMES[1:]}, got {outcome!r}")
+        entry.outcome = outcome
+        entry.seconds = time.time() - entry.started
+
+    def new_epoch(self, base: Sequence[JournalEntry] = (), snapshot: str | None = None) -> Epoch:
+        """Begin the epoch of a new group (``base``: what a recovery replayed for it)."""
+        epoch = Epoch(self.epoch.number + 1, tuple(base), snapshot)
+        self.epochs.append(epoch)
+        return epoch
+
+    def set_base(self, base: Sequence[JournalEntry], snapshot: str | None) -> None:
+        """The current epoch, just begun by a recovery, rests on what it replayed (``base``)
+        and the snapshot it restored."""
+        self.epochs[-1] = Epoch(self.epoch.number, tuple(base), snapshot)
+
+    def entry(self, entry_id: int) -> JournalEntry | None:
+        return next((e for e in self.entries if e.id == entry_id), None)
+
+    def note_snapshot(self, entry_id: int | None, snapshot_id: str) -> None:
+        """Record that ``snapshot_id`` was taken during entry ``entry_id`` (if known)."""
+        entry = self.entry(entry_id) if entry_id is not None else None
+        if entry is not None and snapshot_id not in entry.snapshots:
+            entry.snapshots.append(snapshot_id)
+
+    def replay_for(self, entry_id: int | None) -> list[JournalEntry]:
+        """The entries to replay to rebuild the names a snapshot taken during ``entry_id``
+        was taken among: the base of the entry's epoch, then that epoch's replayable
+        entries before it. ``None`` (a snapshot taken outside any journaled call, or a
+        checkpoint from disk): the current epoch's base and every replayable entry of it."""
+        entry = self.entry(entry_id) if entry_id is not None else None
+        epoch = self.epochs[entry.epoch] if entry is not None else self.epoch
+        before = [
+            e
+            for e in self.entries
+            if e.epoch == epoch.number and e.replayable and (entry is None or e.id < entry.id)
+        ]
+        return [*epoch.base, *before]
+
+    def table(self, last: int | None = None) -> str:
+        """The entries as a text table, oldest first (the last ``last`` only)."""
+        shown = self.entries if last is None else self.entries[-last:]
+        if not shown:
+            return "(no calls yet)"
+        rows = [
+            (
+                e.id,
+                e.epoch,
+                e.label,
+                e.outcome,
+                "-" if e.seconds is None else f"{e.seconds:.2f}s",
+                "yes" if e.replay else "no",
+                ", ".join(e.snapshots) or "-",
+                e.first_line(),
+            )
+            for e in shown
+        ]
+        headers = ("#", "epoch", "call", "outcome", "time", "replay", "snapshots", "code")
+        return text_table(headers, rows)

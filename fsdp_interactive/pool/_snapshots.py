@@ -1,0 +1,114 @@
+"""What the kernel knows of the ranks' snapshots (kernel side).
+
+A snapshot lives in the memory of the ranks' hosts (``fsdp_interactive.snapshot``, under
+the pool's snapshot root on every host, see :mod:`.common._snapshot_root`); the kernel
+never reads it. It learns of each one from the notice rank 0 sends once the snapshot is published
+(:mod:`fsdp_interactive._notices`), and, after a fault, from what the ranks of the new
+group find on their hosts. :class:`SnapshotBook` keeps those records for the journal,
+``%fsdp recover --dry-run`` and the panels.
+
+Faults: the book is the kernel's, so it survives a dead rank, a wedged collective and a
+lost host; it may then name a snapshot that is gone (its only copies were on the lost
+host) or miss the newest (its notice was lost with the rank that sent it). A recovery
+therefore asks the ranks what their hosts hold, and trusts that over the book.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One snapshot as the kernel knows it (the plain fields of the ranks' record).
+
+    ``id`` sorts by age (``s000004``); ``step``: the training step it was taken at, if
+    given; ``created``: wall-clock time on rank 0's host; ``call``: the journal entry it was
+    taken during (``None``: outside a journaled call); ``names``: the variables holding the
+    model, the optimizer and each stateful object; ``hosts``: each rank's host.
+    """
+
+    id: str
+    step: int | None = None
+    created: float = 0.0
+    world_size: int = 0
+    call: int | None = None
+    hosts: tuple[str, ...] = ()
+    names: Mapping[str, Any] = field(default_factory=dict)
+    bytes_per_host: Mapping[str, int] = field(default_factory=dict)
+    seconds: float | None = None
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> SnapshotInfo:
+        """From a rank's record (a notice or ``list_snapshots`` entry, as a mapping)."""
+        call = record.get("call")
+        step = record.get("step")
+        return cls(
+            id=str(record["id"]),
+            step=None if step is None else int(step),
+            created=float(record.get("created") or 0.0),
+            world_size=int(record.get("world_size") or 0),
+            call=None if call is None else int(call),
+            hosts=tuple(record.get("hosts") or ()),
+            names=dict(record.get("names") or {}),
+            bytes_per_host={
+                str(k): int(v) for k, v in (record.get("bytes_per_host") or {}).items()
+            },
+            seconds=record.get("seconds"),
+        )
+
+    def age(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.created)
+
+    def describe(self, now: float | None = None) -> str:
+        """``snapshot s000004 of step 40 (taken 12 s ago)``."""
+        step = f" of step {self.step}" if self.step is not None else ""
+        return f"snapshot {self.id}{step} (taken {_age_text(self.age(now))} ago)"
+
+
+def _age_text(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class SnapshotBook:
+    """The snapshots the kernel has heard of, by id."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, SnapshotInfo] = {}
+
+    def add(self, records: Iterable[Mapping[str, Any]]) -> list[SnapshotInfo]:
+        """Take in records (notices of kind ``"snapshot"`` or listings); the new ones."""
+        added = []
+        for record in records:
+            if record.get("kind", "snapshot") != "snapshot" or "id" not in record:
+                continue
+            info = SnapshotInfo.from_record(record)
+            if info.id not in self._known:
+                added.append(info)
+            self._known[info.id] = info
+        return added
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop every snapshot but those in ``keep`` (what the hosts still hold)."""
+        kept = set(keep)
+        self._known = {k: v for k, v in self._known.items() if k in kept}
+
+    def clear(self) -> None:
+        self._known = {}
+
+    def get(self, snapshot_id: str) -> SnapshotInfo | None:
+        return self._known.get(snapshot_id)
+
+    def all(self) -> list[SnapshotInfo]:
+        """Oldest first."""
+        return [self._known[k] for k in sorted(self._known)]
+
+    def latest(self) -> SnapshotInfo | None:
+        return self._known[max(self._known)] if self._known else None

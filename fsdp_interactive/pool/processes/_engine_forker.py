@@ -1,0 +1,542 @@
+"""A process that imports torch and ipyparallel's engine once, then forks engine processes.
+
+``python -m fsdp_interactive.pool.processes._engine_forker [--snapshot-root DIR]`` speaks
+JSON lines: it reads requests on stdin and writes replies and events on stdout. It exists
+because importing torch takes seconds of CPU in every new process; engines forked from a
+process that has imported it start without that cost (and share its memory pages until
+they write to them). The pool runs one on its own host, and one on every ssh host, with
+ssh's stdin and stdout as the channel (:mod:`._ssh_forked_launcher`).
+
+Protocol (one JSON object per line):
+
+* event ``{"ready": true, "pid": P, "host": H}`` once, when the imports are done;
+* request ``{"token": T, "argv": [...], "env": {...}, "cwd": DIR, "output": FILE}``: fork a
+  child that runs ``argv`` as ``python -m MODULE ARGS`` would (``argv`` must have that
+  shape: ``[python, "-m", MODULE, *ARGS]``), in its own session, with stdin from
+  ``/dev/null``, stdout and stderr appended to ``FILE`` (its folder is created),
+  exactly the environment ``env`` (with ``"extend_env": true``: the forker's own
+  environment updated with ``env``) and working directory ``DIR`` (``null``: the
+  forker's). With a snapshot root, the child also finds it in ``$FSDPI_SNAPSHOT_ROOT``.
+  With ``"nanny": true`` the child is an ipyparallel engine: the forker also forks the
+  engine's nanny, ready-made, in its own session with its output in ``FILE`` too, and
+  the engine finds its ends of the pipes to it in ``$FSDPI_NANNY_FDS``
+  (:mod:`._forked_nanny`). With ``"collect_output": true`` the child's exit event
+  carries the last :data:`OUTPUT_TAIL_BYTES` of ``FILE``, which is then removed;
+* reply ``{"token": T, "pid": P}`` (and ``"nanny_pid"`` with a nanny), or
+  ``{"token": T, "error": "..."}`` when the request is malformed or the fork failed;
+* request ``{"signal": S, "pid": P}``: send signal ``S`` to child ``P`` if it is one of
+  this forker's children and has not been reaped (so the pid is still its own); no reply;
+* event ``{"exited": P, "exit_code": C}`` (and ``"output"``, see above) when child ``P``
+  ends (``C`` negative: killed by signal ``-C``), as ``subprocess`` reports it. A nanny's
+  end is not reported: it ends after its engine, whose end is.
+
+The forker writes nothing else on stdout; its own diagnostics go to stderr. It exits
+when its stdin closes (its owner stopped it, or the owner or the ssh connection to it
+is gone), or on SIGTERM or SIGHUP. Then it ends the children still running (SIGTERM,
+SIGKILL after :data:`END_GRACE_S`), reporting their ends while its owner still
+listens, and removes the snapshot root (``--snapshot-root``). A rank that dies does not
+end it. SIGKILL does, and so does SIGTERM or SIGHUP in the first moments, while the
+interpreter still loads the package and :func:`main` has not taken the signals: then
+the root stays, and the orphan reaper (on the kernel's host) removes it.
+
+Fork safety: the forker never starts a thread itself and never runs a torch operation
+(so no intra-op thread pool exists), never touches CUDA, and opens no ZeroMQ context;
+the one thread that importing numpy may start is OpenBLAS's, which shuts itself down
+around ``fork`` (its ``pthread_atfork`` handlers). Children re-seed numpy's global random
+state, as independent processes would have different ones (Python's ``random`` is
+re-seeded by the interpreter itself). SIGTERM and SIGHUP are blocked around each fork
+and set back to their defaults in the child, so that the forker's own handlers never
+run in an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_interactive.pool.common import _snapshot_root
+from fsdp_interactive.pool.processes import _forked_nanny
+
+#: Modules imported once here so that no forked engine pays for them: torch, the engine,
+#: its nanny, and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
+#: a process), and what every rank imports while it joins the group (the package's rank
+#: side reads torch's FSDP and DTensor modules, about 0.7 CPU-s a process, mostly sympy).
+#: Each of these is otherwise paid N times at once on the start's critical path. None of
+#: them starts a thread or installs a trace function on import (checked on torch 2.13.0,
+#: ipykernel 7.x).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "ipyparallel.engine.app",
+    "ipyparallel.engine.nanny",
+    "ipykernel.debugger",
+    "fsdp_interactive._torch_compat",
+    "fsdp_interactive.pool.rank._engine_shell",
+)
+#: Seconds children get after SIGTERM, when the forker exits, before SIGKILL.
+END_GRACE_S = 3.0
+#: How much of a child's output its exit event carries (``"collect_output"``).
+OUTPUT_TAIL_BYTES = 64 * 1024
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class _Ending(BaseException):
+    """Raised by the SIGTERM/SIGHUP handler while the forker starts: it exits at once (a
+    ``BaseException``, so that the preloads' ``except Exception`` lets it through)."""
+
+
+#: Set by the SIGTERM/SIGHUP handler while the forker serves (the wake-up pipe wakes it).
+_ending: list[str] = []
+
+
+def preload(modules: tuple[str, ...] = PRELOAD) -> None:
+    """Import ``modules``; one that fails to import is reported on stderr and skipped.
+
+    The cyclic garbage collector is off meanwhile: imports make many objects and few
+    cycles, and its passes cost about a sixth of the imports' CPU time (torch 2.13). What
+    the imports made is then frozen (``gc.freeze``): the children's collections never
+    walk those objects, so they neither spend time on them nor copy the pages that hold
+    them.
+    """
+    import gc
+    import importlib
+
+    gc.disable()
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # the engine reports it where the module is used
+                print(
+                    f"engine forker: could not preload {name}: {exc}", file=sys.stderr, flush=True
+                )
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+@dataclass(frozen=True)
+class ForkRequest:
+    """A checked fork request (see the module's protocol)."""
+
+    module: str
+    args: list[str]
+    env: dict[str, str]
+    cwd: str | None
+    output: str
+    nanny: bool = False
+    extend_env: bool = False
+    collect_output: bool = False
+
+
+def check_request(request: Any) -> ForkRequest:
+    """Validate a fork request."""
+    if not isinstance(request, dict):
+        raise ValueError(f"a request must be a JSON object, got {type(request).__name__}")
+    argv, env = request.get("argv"), request.get("env")
+    cwd, output = request.get("cwd"), request.get("output")
+    for flag in ("nanny", "extend_env", "collect_output"):
+        if not isinstance(request.get(flag, False), bool):
+            raise ValueError(f"{flag} must be true or false")
+    if (
+        not isinstance(argv, list)
+        or len(argv) < 3
+        or argv[1] != "-m"
+        or not all(isinstance(a, str) for a in argv)
+    ):
+        raise ValueError(f"argv must be [python, '-m', module, *args], got {argv!r}")
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ValueError("env must be an object of strings")
+    if (cwd is not None and not isinstance(cwd, str)) or not isinstance(output, str) or not output:
+        raise ValueError("cwd and output must be strings (output not empty; cwd may be null)")
+    return ForkRequest(
+        module=argv[2],
+        args=argv[3:],
+        env=env,
+        cwd=cwd,
+        output=output,
+        nanny=request.get("nanny", False),
+        extend_env=request.get("extend_env", False),
+        collect_output=request.get("collect_output", False),
+    )
+
+
+def _become_own_process(output: str) -> None:
+    """In a forked child: its own session, stdin from ``/dev/null``, stdout and stderr
+    appended to ``output``; SIGINT back to the interpreter's handler (the forker ignores it)."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    folder = os.path.dirname(output)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str | None) -> int:
+    """In the forked child: become a fresh ``python -m module args`` process; its status."""
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    sys.argv = [module, *args]
+    # A module the forker imported (the pool's own modules are) runs afresh as __main__,
+    # as in a new interpreter, instead of beside its imported copy (runpy warns of that).
+    sys.modules.pop(module, None)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _fork(body: Callable[[], int], output: str, close: Iterable[int]) -> int:
+    """Fork a child that runs ``body()`` as its own process (see :func:`_become_own_process`)
+    and exits with its status; the child's pid (in the parent). Never returns in the child.
+
+    ``close``: descriptors of the forker the child must not keep (0-2 are replaced).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The forker's ending handlers must never run in a child: blocked across the fork,
+    # set back to the defaults in the child before they are unblocked.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
+    pid = os.fork()
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return pid
+    status = 1
+    try:
+        # The forker's wake-up pipe is closed below: its number must not be written to.
+        signal.set_wakeup_fd(-1)
+        for sig in _ENDING_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fd in close:
+            if fd > 2:
+                os.close(fd)
+        _become_own_process(output)
+        status = body()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status & 0xFF if status >= 0 else 1)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def child_environment(request: ForkRequest, snapshot_root: str | None) -> dict[str, str]:
+    """The environment a child of ``request`` gets (see the module's protocol)."""
+    env = {**os.environ, **request.env} if request.extend_env else dict(request.env)
+    if snapshot_root:
+        env[_snapshot_root.ENV_VAR] = snapshot_root
+    return env
+
+
+def fork_request(
+    request: Any, inherited: list[int], snapshot_root: str | None = None
+) -> tuple[int, int | None]:
+    """Fork what ``request`` asks for; ``(the child's pid, its nanny's pid or None)``.
+
+    ``inherited``: descriptors of the forker no child may keep.
+    """
+    checked = check_request(request)
+    module, args, cwd, output = checked.module, checked.args, checked.cwd, checked.output
+    env = child_environment(checked, snapshot_root)
+    if not checked.nanny:
+        return _fork(lambda: _run_module(module, args, env, cwd), output, inherited), None
+    pipes = _forked_nanny.make_pipes()
+    try:
+        args_w, url_r = pipes.engine_ends()
+        engine_env = dict(env, **{_forked_nanny.FDS_ENV: f"{args_w},{url_r}"})
+        engine = _fork(
+            lambda: _run_module(module, args, engine_env, cwd),
+            output,
+            [*inherited, *pipes.nanny_ends()],
+        )
+        nanny = _fork(
+            lambda: _forked_nanny.run_nanny(*pipes.nanny_ends()),
+            output,
+            [*inherited, *pipes.engine_ends()],
+        )
+    finally:
+        for fd in pipes.all():
+            os.close(fd)
+    return engine, nanny
+
+
+def output_tail(path: str, size: int = OUTPUT_TAIL_BYTES) -> str:
+    """The last ``size`` bytes of ``path``, from the start of a line ("" when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            length = f.tell()
+            f.seek(max(0, length - size))
+            data = f.read()
+    except OSError:
+        return ""
+    if length > size and b"\n" in data:
+        data = data[data.index(b"\n") + 1 :]
+    return data.decode(errors="replace")
+
+
+@dataclass
+class _Child:
+    pid: int
+    report: bool  # its end is reported (an engine or plain child; not a nanny)
+    output: str | None = None  # collected and removed when it ends
+
+
+class _Server:
+    """The forker's state while it serves: its children, watched through pidfds, and the
+    wake-up pipe through which an ending signal interrupts the wait."""
+
+    def __init__(self, requests_fd: int, replies_fd: int, snapshot_root: str | None) -> None:
+        self.requests_fd = requests_fd
+        self.replies_fd = replies_fd
+        self.snapshot_root = snapshot_root
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(requests_fd, selectors.EVENT_READ, "requests")
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, "wakeup")
+        self.children: dict[int, _Child] = {}  # pidfd -> child
+        self.owner_listens = True
+
+    def own_descriptors(self) -> list[int]:
+        """Descriptors of the forker that no child may keep."""
+        return [
+            self.requests_fd,
+            self.replies_fd,
+            self.selector.fileno(),
+            self.wakeup_r,
+            self.wakeup_w,
+            *self.children,
+        ]
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one line to the owner; a closed channel means the owner is gone."""
+        if not self.owner_listens:
+            return
+        data = (json.dumps(message) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.replies_fd, data) :]
+        except OSError:
+            self.owner_listens = False
+
+    def watch(self, child: _Child) -> None:
+        pidfd = os.pidfd_open(child.pid)
+        self.children[pidfd] = child
+        self.selector.register(pidfd, selectors.EVENT_READ, child)
+
+    def reap(self, pidfd: int) -> None:
+        """Collect the ended child behind ``pidfd`` and report it."""
+        child = self.children.pop(pidfd)
+        _, status = os.waitpid(child.pid, 0)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        if not child.report:
+            return
+        event: dict[str, Any] = {
+            "exited": child.pid,
+            "exit_code": os.waitstatus_to_exitcode(status),
+        }
+        if child.output is not None:
+            event["output"] = output_tail(child.output)
+            with contextlib.suppress(OSError):
+                os.remove(child.output)
+        self.send(event)
+
+    def signal_child(self, pid: Any, sig: Any) -> None:
+        """Signal ``pid`` if it is an unreaped child (its pid cannot be another's yet)."""
+        if not isinstance(pid, int) or not isinstance(sig, int):
+            return
+        if any(child.pid == pid for child in self.children.values()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+    def handle(self, line: bytes) -> None:
+        token = None
+        try:
+            request = json.loads(line)
+            if isinstance(request, dict) and "signal" in request:
+                self.signal_child(request.get("pid"), request.get("signal"))
+                return
+            token = request.get("token") if isinstance(request, dict) else None
+            pid, nanny_pid = fork_request(request, self.own_descriptors(), self.snapshot_root)
+        except (ValueError, OSError) as exc:
+            self.send({"token": token, "error": str(exc)})
+            return
+        collect = request.get("collect_output") is True
+        self.watch(_Child(pid, report=True, output=request["output"] if collect else None))
+        reply: dict[str, Any] = {"token": token, "pid": pid}
+        if nanny_pid is not None:
+            self.watch(_Child(nanny_pid, report=False))
+            reply["nanny_pid"] = nanny_pid
+        self.send(reply)
+
+    def serve(self) -> None:
+        """Answer requests until the requests' channel closes or an ending signal comes;
+        report child exits."""
+        pending = b""
+        while not _ending:
+            for key, _ in self.selector.select():
+                if key.data == "wakeup":
+                    with contextlib.suppress(OSError):
+                        os.read(self.wakeup_r, 512)
+                    continue
+                if key.data != "requests":
+                    self.reap(key.fd)
+                    continue
+                chunk = os.read(self.requests_fd, 65536)
+                if not chunk:
+                    return
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self.handle(line)
+        print(f"engine forker: ending on {_ending[0]}", file=sys.stderr, flush=True)
+
+    def end_children(self, grace: float = END_GRACE_S) -> None:
+        """SIGTERM every child still running, SIGKILL those left after ``grace`` seconds;
+        reap (and report) them all."""
+        self.selector.unregister(self.requests_fd)
+        self.selector.unregister(self.wakeup_r)
+        if not self.children:
+            return
+        print(
+            f"engine forker: ending {len(self.children)} children still running",
+            file=sys.stderr,
+            flush=True,
+        )
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for child in list(self.children.values()):
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid, sig)
+            deadline = time.monotonic() + grace
+            while self.children and time.monotonic() < deadline:
+                for key, _ in self.selector.select(max(0.0, deadline - time.monotonic())):
+                    self.reap(key.fd)
+            if not self.children:
+                return
+
+    def close(self) -> None:
+        self.selector.close()
+        signal.set_wakeup_fd(-1)
+        os.close(self.wakeup_r)
+        os.close(self.wakeup_w)
+
+
+def serve(requests_fd: int, replies_fd: int, snapshot_root: str | None = None) -> None:
+    """Answer fork requests read from ``requests_fd`` until it closes, or until SIGTERM or
+    SIGHUP comes; report child exits. Then end the children still running and remove
+    ``snapshot_root``. Call it on the main thread (it takes over those two signals).
+
+    Replies and events are written to ``replies_fd``. Reads are unbuffered (``os.read``),
+    so no request can hide in a buffer while the selector waits.
+    """
+    server = _Server(requests_fd, replies_fd, snapshot_root)
+    for sig in _ENDING_SIGNALS:
+        signal.signal(sig, _note_ending)
+    signal.set_wakeup_fd(server.wakeup_w)
+    try:
+        server.serve()
+    finally:
+        # A second SIGTERM must not cut the clean-up short.
+        for sig in _ENDING_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        server.end_children()
+        server.close()
+        _remove_snapshot_root(snapshot_root)
+
+
+def _remove_snapshot_root(path: str | None) -> None:
+    try:
+        if _snapshot_root.remove_root(path):
+            print(f"engine forker: removed the snapshot root {path}", file=sys.stderr, flush=True)
+    except ValueError as exc:
+        print(f"engine forker: {exc}; left in place", file=sys.stderr, flush=True)
+
+
+def _raise_ending(signum: int, frame: Any) -> None:
+    raise _Ending(signal.Signals(signum).name)
+
+
+def _note_ending(signum: int, frame: Any) -> None:
+    _ending.append(signal.Signals(signum).name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_interactive.pool.processes._engine_forker",
+        description="Import torch once, then fork engines on request (JSON lines on stdin).",
+    )
+    parser.add_argument(
+        "--snapshot-root",
+        default=None,
+        help="the pool's snapshot root on this host, removed when the forker exits",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The owner's Ctrl-C is not ours: the forker runs in its own session, but be explicit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in _ENDING_SIGNALS:
+        signal.signal(sig, _raise_ending)
+    try:
+        preload()
+        ready = {"ready": True, "pid": os.getpid(), "host": socket.gethostname()}
+        with contextlib.suppress(OSError):
+            os.write(sys.stdout.fileno(), (json.dumps(ready) + "\n").encode())
+        serve(sys.stdin.fileno(), sys.stdout.fileno(), args.snapshot_root)
+    except _Ending as ending:  # before serve() took the signals over: nothing was forked
+        print(f"engine forker: ending on {ending} while starting", file=sys.stderr, flush=True)
+        _remove_snapshot_root(args.snapshot_root)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    # Nothing is left to clean up (replies are written unbuffered, children were
+    # ended): skip the interpreter's finalization, which takes about a second with
+    # torch imported and would hold up every pool's stop().
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,98 @@
+"""The engine forkers of one pool, one per host, kept from one group to the next.
+
+A pool forks its engines from an :mod:`._engine_forker` on each host: on this host a
+child process, on an ssh host a process reached through one ``ssh`` command
+(:mod:`._ssh_forked_launcher`). :class:`HostForkers` starts them, hands the running one
+of a host back to the next group (a restart, or the group after a rank died), replaces
+one that ended or must run another command, and ends them all at once for ``stop()``.
+Each forker is given the pool's snapshot root, which it removes on its host when it
+exits.
+
+Not done: ending single forkers (a host no longer used keeps its forker until ``stop()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from fsdp_interactive.pool.processes._forked_launcher import EngineForker, forker_command
+
+log = logging.getLogger(__name__)
+
+#: The key of this host's forker; an ssh host's is its key in ``SSHEngineSetLauncher.engines``.
+LOCAL = ""
+
+
+class HostForkers:
+    """The running forkers of one pool by host key (:data:`LOCAL` for this host's), each
+    given ``snapshot_root``."""
+
+    def __init__(self, snapshot_root: str | None = None) -> None:
+        self.snapshot_root = snapshot_root
+        self._forkers: dict[str, EngineForker] = {}
+
+    def pids(self) -> list[int]:
+        """Local pids of the forkers (an ssh host's: its ssh client)."""
+        return [forker.pid for forker in self._forkers.values()]
+
+    def local(self, log_dir: str, cluster_id: str) -> EngineForker:
+        """This host's forker (started now unless one runs)."""
+        command = forker_command(snapshot_root=self.snapshot_root)
+        path = os.path.join(log_dir, f"ipengine-forker-{cluster_id}.log")
+        return self._running(
+            LOCAL, command, lambda: EngineForker(path, dict(os.environ), command=command)
+        )
+
+    def on_ssh_hosts(
+        self, hosts: Iterable[Any], log_dir: str, cluster_id: str
+    ) -> tuple[dict[str, EngineForker], set[str]]:
+        """The forker of every :class:`~._ssh_forked_launcher.SSHHost` in ``hosts`` by
+        host key, and the keys of those started now (a kept forker's host was checked
+        when its forker started; the others are to be)."""
+        forkers: dict[str, EngineForker] = {}
+        started: set[str] = set()
+        for host in hosts:
+            command = host.forker_command(self.snapshot_root)
+            path = os.path.join(log_dir, f"ipengine-forker-{cluster_id}-{host.file_name}.log")
+
+            def start(host: Any = host, command: list[str] = command, path: str = path) -> Any:
+                started.add(host.key)
+                return EngineForker(path, dict(os.environ), command=command, where=host.key)
+
+            forkers[host.key] = self._running(host.key, command, start)
+        return forkers, started
+
+    def _running(self, key: str, command: list[str], start: Callable[[], EngineForker]) -> Any:
+        """The running forker of host ``key``, started with ``start()`` unless one that
+        runs ``command`` is kept."""
+        forker = self._forkers.get(key)
+        if forker is not None and forker.running() and forker.command == command:
+            return forker
+        if forker is not None:
+            forker.close()
+        forker = self._forkers[key] = start()
+        where = key or "this host"
+        log.debug(
+            "engine forker for %s started (pid %d); its log: %s", where, forker.pid, forker.log_path
+        )
+        return forker
+
+    def describe(self) -> str:
+        """One line: each forker, its pid and how long its imports took."""
+        return ", ".join(
+            f"{key or 'this host'} pid {forker.pid} (ready in {forker.ready_s or 0:.2f}s)"
+            for key, forker in self._forkers.items()
+        )
+
+    def close(self) -> None:
+        """End every forker through its handle: all are asked at once (each ends what it
+        forked and removes its host's snapshot root), then waited for."""
+        forkers, self._forkers = self._forkers, {}
+        for forker in forkers.values():
+            forker.begin_close()
+        for key, forker in forkers.items():
+            forker.close()
+            log.debug("engine forker for %s (pid %d) stopped", key or "this host", forker.pid)

@@ -1,0 +1,385 @@
+"""Rank side of the pool: what each engine runs to become one ``torch.distributed`` rank.
+
+The notebook side (:mod:`fsdp_interactive.pool._rendezvous`) calls these functions on
+the engines through ipyparallel; they take and return plain data only. This module never
+imports IPython, ipyparallel or anything notebook-side, and it never touches CUDA
+unless the spec it is given names a CUDA device.
+
+Start-up, in order:
+
+0. :func:`enable_logging`, only when the pool has a log level: this engine's
+   ``fsdp_interactive.*`` records go to its stderr, which reaches the notebook.
+1. :func:`describe_engine` on every engine: host, address, pid (and, when the kernel
+   cannot tell, the CUDA devices the engine sees, counted without initialising CUDA).
+2. :func:`open_store` on the engine chosen as rank 0: a ``TCPStore`` server on a free
+   port (the port is picked by binding port 0, so no other process can take it in
+   between); in local mode it listens on loopback only.
+3. :func:`join_group` on all ranks concurrently: torchrun's environment variables,
+   ``CUDA_VISIBLE_DEVICES`` narrowed to the devices of the host's ranks (so that a rank's
+   local rank is the index of its device, as under torchrun) and device pinning (both
+   before any other CUDA use), the flight recorder's buffer size and
+   the collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` when asked for), both of
+   which torch reads when the group is created, then ``init_process_group`` on the
+   shared store and a readiness handshake through the store (every rank counts itself
+   in and waits for the full count; no sleeps), checked by one ``all_reduce``, which
+   also tells whether the flight recorder records this backend. The process takes a
+   title (``fsdp-interactive rank 1/4, pool <id>``) so that ``ps`` shows what it is.
+
+The diagnostics agent (:mod:`._agent`) is started by the engine's hooks
+(:mod:`._engine_shell`) around this, because its key comes from the engine's session.
+
+Not done here: choosing ranks or devices (the notebook side decides), retrying, or
+recovering a broken group (the pool restarts the engines instead).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from fsdp_interactive.pool.common import _hosts, _logs, _topology
+from fsdp_interactive.pool.common._cuda_count import probe_count
+from fsdp_interactive.pool.common._process_title import set_title
+from fsdp_interactive.pool.rank import _torch_recorder
+
+log = logging.getLogger(__name__)
+
+#: The variables that name the interface gloo's and NCCL's sockets bind (torch reads them
+#: when the group is created).
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+_READY_KEY = "fsdp_interactive/ready"
+_ALL_READY_KEY = "fsdp_interactive/all_ready"
+
+
+@dataclass
+class _RankState:
+    store: Any = None
+    listen_socket: socket.socket | None = None
+    rank: int = -1
+    world_size: int = 0
+    local_rank: int = -1
+    device: str = "cpu"
+    #: ``CUDA_VISIBLE_DEVICES`` as the engine inherited it, kept from the first time the
+    #: pool narrowed it (``narrowed``); ``None``: it was not set.
+    inherited_visible: str | None = None
+    narrowed: bool = False
+
+
+_STATE = _RankState()
+
+
+def enable_logging(level: int) -> None:
+    """Show this engine's ``fsdp_interactive.*`` records at ``level`` on its stderr."""
+    _logs.enable(level)
+    log.debug("engine pid %d logs at level %s", os.getpid(), logging.getLevelName(level))
+
+
+def describe_engine(count_cuda: bool = False) -> dict[str, Any]:
+    """Where this engine runs: ``host``, ``address`` (best-effort IPv4), ``pid``, the
+    ``python`` executable, ``torch``'s version, ``versions``
+    (:func:`pool.common._hosts.versions`), ``launch_order``, its place in the order its
+    launcher started the engines, when the launcher says
+    (:data:`pool.common._topology.LAUNCH_ORDER_ENV`; ``None`` otherwise), and with
+    ``count_cuda``, ``cuda_devices``: how many CUDA devices this engine sees
+    (:func:`cuda_device_count`), else ``None``."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = host
+    try:
+        import torch
+
+        # A plain str: torch's TorchVersion would make the kernel import torch to unpickle it.
+        torch_version = str(torch.__version__)
+    except ImportError:
+        torch_version = None
+    return {
+        "host": host,
+        "address": address,
+        "pid": os.getpid(),
+        "parent_pid": os.getppid(),
+        "python": sys.executable,
+        "torch": torch_version,
+        "versions": _hosts.versions(),
+        "cuda_devices": cuda_device_count() if count_cuda else None,
+        "launch_order": _topology.launch_order(),
+    }
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this engine sees (under its ``CUDA_VISIBLE_DEVICES``), counted
+    without initialising CUDA here: through NVML, else in a short-lived subprocess. CUDA
+    must stay uninitialised until :func:`join_group` has narrowed
+    ``CUDA_VISIBLE_DEVICES`` (CUDA reads it once, when it initialises)."""
+    from fsdp_interactive._torch_compat import cuda_device_count_without_init
+
+    count = cuda_device_count_without_init()
+    return probe_count() if count is None else count
+
+
+def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
+    """Start the rendezvous ``TCPStore`` server on this engine; return its port.
+
+    ``bind_address`` is the only address the server listens on (``"127.0.0.1"`` for a
+    single-host pool, rank 0's cluster address when ranks live on other hosts; ``""``
+    would be every interface).
+    """
+    from torch.distributed import TCPStore
+
+    close_store()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((bind_address, 0))
+    listener.listen(max(64, 2 * world_size))
+    port = listener.getsockname()[1]
+    _STATE.listen_socket = listener
+    _STATE.store = TCPStore(
+        bind_address or "0.0.0.0",
+        port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    log.debug("rendezvous store listening on %s:%d", bind_address or "*", port)
+    return port
+
+
+def close_store() -> None:
+    """Drop this engine's rendezvous store and listening socket, if any."""
+    _STATE.store = None
+    if _STATE.listen_socket is not None:
+        _STATE.listen_socket.close()
+        _STATE.listen_socket = None
+
+
+def join_group(spec: dict[str, Any]) -> dict[str, Any]:
+    """Become rank ``spec["rank"]`` of a new default process group; return its record.
+
+    ``spec`` keys: rank, world_size, local_rank, local_world_size, master_addr,
+    master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s, env (extra
+    environment variables, e.g. socket interface names); optional: cuda_devices (the
+    CUDA devices of this host's ranks in local-rank order, as this engine sees them:
+    ``CUDA_VISIBLE_DEVICES`` is narrowed to them first, see
+    :func:`narrow_visible_devices`), flight_recorder
+    (ring buffer entries, 0: off, ``None``: the environment's setting),
+    check_collectives (bool), title (the process title), socket_address (this rank's
+    address on the pool's network: gloo and NCCL bind the interface that holds it, see
+    :func:`bind_collective_sockets`).
+
+    The record says, under ``recorder_note``, why the flight recorder does not record
+    this group's collectives (``None`` when it does), under ``socket_ifnames`` which
+    interface each of :data:`SOCKET_IFNAME_VARS` names on this rank (set here or before),
+    and under ``visible_devices`` the ``CUDA_VISIBLE_DEVICES`` set here (``None``: none).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = int(spec["rank"])
+    world_size = int(spec["world_size"])
+    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(spec["local_rank"]),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(spec["local_world_size"]),
+        MASTER_ADDR=str(spec["master_addr"]),
+        MASTER_PORT=str(spec["master_port"]),
+    )
+    device = torch.device(spec["device"])
+    visible_devices = None
+    if device.type == "cuda" and spec.get("cuda_devices") is not None:
+        visible_devices = narrow_visible_devices([int(d) for d in spec["cuda_devices"]])
+    socket_ifnames = bind_collective_sockets(spec.get("socket_address"), cuda=device.type == "cuda")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if device.index is None or device.index >= visible:
+            raise ValueError(
+                f"device {device} is not present on {socket.gethostname()}: "
+                f"{visible} CUDA device(s) visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        # Pin before anything else can create a context on the wrong device.
+        torch.cuda.set_device(device)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)  # crash reports in the log
+    _torch_recorder.configure(spec.get("flight_recorder"))
+    if spec.get("check_collectives"):
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        # torch read the variable when it was imported; the group reads the level.
+        dist.set_debug_level_from_env()
+    if spec.get("title"):
+        set_title(str(spec["title"]))
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    began = time.monotonic()
+    log.debug(
+        "rank %d of %d joining a %s group on %s:%s (device %s)",
+        rank,
+        world_size,
+        spec["backend"],
+        spec["master_addr"],
+        spec["master_port"],
+        device,
+    )
+    timeout = timedelta(seconds=float(spec["pg_timeout_s"]))
+    if rank == 0:
+        store = _STATE.store
+        if store is None:
+            raise RuntimeError("rank 0 has no rendezvous store: open_store() must run first")
+    else:
+        store = dist.TCPStore(
+            str(spec["master_addr"]),
+            int(spec["master_port"]),
+            world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+    dist.init_process_group(
+        spec["backend"],
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    # Readiness handshake: count in, the last rank to arrive releases everyone.
+    if store.add(_READY_KEY, 1) == world_size:
+        store.set(_ALL_READY_KEY, "1")
+    store.wait([_ALL_READY_KEY])
+    check = torch.ones(1, device=device)
+    dist.all_reduce(check)
+    if int(check.item()) != world_size:
+        raise RuntimeError(f"all_reduce check gave {check.item()}, expected {world_size}")
+    recorder_note = _torch_recorder.check(str(spec["backend"]))
+    log.debug("rank %d joined in %.2fs; all_reduce check passed", rank, time.monotonic() - began)
+    if recorder_note:
+        log.debug("collective trace unavailable: %s", recorder_note)
+
+    _STATE.store = store
+    _STATE.rank = rank
+    _STATE.world_size = world_size
+    _STATE.local_rank = int(spec["local_rank"])
+    _STATE.device = str(device)
+    return {
+        "rank": rank,
+        "local_rank": int(spec["local_rank"]),
+        "world_size": world_size,
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": dist.get_backend(),
+        "thread_id": threading.get_ident(),
+        "recorder_note": recorder_note,
+        "socket_ifnames": socket_ifnames,
+        "visible_devices": visible_devices,
+    }
+
+
+def narrow_visible_devices(indices: list[int]) -> str:
+    """Show this process only the CUDA devices ``indices`` (as it saw them under the
+    ``CUDA_VISIBLE_DEVICES`` it inherited), in that order; the new value is returned.
+
+    With ``[1, 3]`` the process sees devices 1 and 3 as ``cuda:0`` and ``cuda:1``. The
+    inherited value may list indices, UUIDs or MIG names: its entries are picked by
+    position. Must run before CUDA initialises in this process (CUDA reads the variable
+    once); the value inherited is remembered, so that a later group on the same engine
+    (a connected cluster's restart) picks from it again. Raises ``ValueError`` for an
+    index the inherited value does not have, and ``RuntimeError`` when CUDA already runs
+    here under another value.
+    """
+    import torch
+
+    key = "CUDA_VISIBLE_DEVICES"
+    if not _STATE.narrowed:
+        _STATE.inherited_visible = os.environ.get(key)
+    inherited = _STATE.inherited_visible
+    entries = None if inherited is None else [e.strip() for e in inherited.split(",") if e.strip()]
+    chosen = []
+    for index in indices:
+        if entries is None:
+            chosen.append(str(index))
+        elif 0 <= index < len(entries):
+            chosen.append(entries[index])
+        else:
+            raise ValueError(
+                f"device {index} is not present on {socket.gethostname()}: "
+                f"{key}={inherited!r} shows {len(entries)} device(s)"
+            )
+    value = ",".join(chosen)
+    current = os.environ.get(key)
+    if torch.cuda.is_initialized() and current != value:
+        raise RuntimeError(
+            f"CUDA already runs in this engine (pid {os.getpid()}) under {key}={current!r}, "
+            f"and the pool needs {value!r}: restart the engines"
+        )
+    os.environ[key] = value
+    _STATE.narrowed = True
+    log.debug("%s=%s (devices %s as this engine saw them)", key, value, indices)
+    return value
+
+
+def bind_collective_sockets(address: str | None, *, cuda: bool) -> dict[str, str]:
+    """Point gloo (and, for a CUDA rank, NCCL) at the interface that holds ``address``.
+
+    Without ``GLOO_SOCKET_IFNAME`` gloo binds whatever this host's name resolves to,
+    which on many hosts is a loopback address (``127.0.1.1``) that peers on other hosts
+    cannot reach. Each variable already in this process's environment is left as it is
+    (the user's choice, or a launcher's); ``address`` ``None`` (a single-host pool, whose
+    names come with ``spec["env"]``) changes nothing. A loopback ``address``, or one no
+    interface holds, changes nothing either and logs a warning: pinning would only
+    hide the problem behind a later connection timeout.
+
+    Returns ``{variable: interface}`` for every one of :data:`SOCKET_IFNAME_VARS` that is
+    set afterwards.
+    """
+    wanted = SOCKET_IFNAME_VARS if cuda else SOCKET_IFNAME_VARS[:1]
+    unset = [var for var in wanted if var not in os.environ]
+    if address is not None:
+        for var in wanted:
+            if var not in unset:
+                log.info("%s=%s kept from the environment", var, os.environ[var])
+    if address is not None and unset:
+        interface = _hosts.interface_holding(address)
+        if interface is None or _hosts.is_loopback(address):
+            log.warning(
+                "%s: this rank's address %s is %s; %s left unset, so ranks on other hosts "
+                "may not reach it (set them in the engines' environment to choose)",
+                socket.gethostname(),
+                address,
+                "on no interface here" if interface is None else "a loopback address",
+                "/".join(unset),
+            )
+        else:
+            for var in unset:
+                os.environ[var] = interface
+                log.info("%s=%s (the interface that holds %s)", var, interface, address)
+    return {var: os.environ[var] for var in SOCKET_IFNAME_VARS if var in os.environ}
+
+
+def leave_group() -> None:
+    """Destroy this rank's default process group and store (no-op if there is none)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    close_store()
+
+
+def rank_context() -> tuple[int, int, int, str]:
+    """``(rank, world_size, local_rank, device)`` of this engine after :func:`join_group`."""
+    return _STATE.rank, _STATE.world_size, _STATE.local_rank, _STATE.device
+
+
+def rendezvous_store() -> Any:
+    """The group's rendezvous ``TCPStore`` (server on rank 0, client elsewhere), or None."""
+    return _STATE.store

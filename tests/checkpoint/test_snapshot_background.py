@@ -1,0 +1,261 @@
+"""Background snapshots (the blocking part is the staging, measured and returned; later
+changes of the state do not reach what is written; a second snapshot waits for the one in
+flight; a failure surfaces on the handle), ``persist_snapshot`` to a disk checkpoint that
+``checkpoint.load`` reads exactly, and ``drop_snapshots``."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fsdp_interactive import checkpoint as ck
+from tests.checkpoint import _snapshots as s
+
+BACKGROUND = (
+    "result = fsdp_interactive.snapshot(model=model, optimizer=optim, step=counter.step, "
+    "background=True, keep_last=2, sched=sched, counter=counter)"
+)
+
+
+class _HeldWrites:
+    """DCP's writes, logged; the first one held until :meth:`release`."""
+
+    def __init__(self) -> None:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        self.cls, self.original = fs._FileSystemWriter, fs._FileSystemWriter.write_data
+        self.log: list[str] = []
+        self.gate = threading.Event()
+        held = self
+
+        def write_data(writer, plan, planner):
+            name = Path(writer.path).name
+            held.log.append(f"start {name}")
+            if len(held.log) == 1:
+                held.gate.wait(timeout=60)
+            future = held.original(writer, plan, planner)
+            future.wait()
+            held.log.append(f"end {name}")
+            return future
+
+        self.cls.write_data = write_data
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def restore(self) -> None:
+        self.gate.set()
+        self.cls.write_data = self.original
+
+
+def _background_then_change(root: str) -> dict:
+    s.place(root)
+    ns = s.cell_namespace(seed=0)
+    s.train(ns, 3)
+    s.seed_per_rank(8)
+    expected = s.exact_state(ns)
+    held = _HeldWrites()
+    try:
+        handle = s.run_cell(ns, BACKGROUND)
+        # Training goes on while the snapshot is written: everything changes.
+        s.train(ns, 2)
+        torch.rand(4), random.random(), np.random.rand()
+        still_running = not handle.done()
+        changed = s.differences(expected, s.exact_state(ns))
+        # A second snapshot while the first is in flight waits for it.
+        threading.Timer(0.5, held.release).start()
+        second = s.run_cell(ns, BACKGROUND.replace("background=True", "background=False"))
+        first = handle.wait()
+        order = list(held.log)
+    finally:
+        held.restore()
+    ns["snapshot_id"] = first.id
+    s.run_cell(ns, s.RESTORE)
+    return {
+        "handle_seconds": handle.seconds,
+        "handle_id": handle.id,
+        "first": first,
+        "second": second,
+        "still_running": still_running,
+        "changed": changed,
+        "restored": s.differences(expected, s.exact_state(ns)),
+        "order": order,
+        "listed": [r.id for r in ck.list_snapshots()],
+    }
+
+
+def test_background_snapshot_keeps_the_state_of_the_call(ranks2, tmp_path):
+    results = ranks2.run(_background_then_change, str(tmp_path))
+    first, second = results[0]["first"], results[0]["second"]
+    for rank, r in enumerate(results):
+        assert r["still_running"], rank  # the write was held while the state changed
+        assert {n.split(":")[0] for n in r["changed"]} >= {"param", "optim", "counter", "rng"}
+        assert r["restored"] == [], (rank, r["restored"])
+        assert r["handle_id"] == first.id and r["first"] == first and r["second"] == second
+        assert 0 < r["handle_seconds"] <= first.seconds
+        # The second snapshot's write began only after the first one's ended.
+        assert [entry.split(".partial-")[0] for entry in r["order"]] == [
+            f"start .{first.id}",
+            f"end .{first.id}",
+            f"start .{second.id}",
+            f"end .{second.id}",
+        ]
+        assert r["listed"] == [first.id, second.id]
+    assert first.seconds == max(r["handle_seconds"] for r in results)
+    assert first.step == 3 and second.step == 5
+
+
+def _background_failure(root: str) -> dict:
+    import torch.distributed.checkpoint.filesystem as fs
+
+    s.place(root)
+    ns = s.cell_namespace(seed=0)
+    previous = s.run_cell(ns, s.SNAPSHOT)
+    original = fs._FileSystemWriter.write_data
+    if dist.get_rank() == 1:
+
+        def broken(self, plan, planner):
+            raise OSError("device error while writing")
+
+        fs._FileSystemWriter.write_data = broken
+    try:
+        handle = s.run_cell(ns, BACKGROUND)
+        try:
+            handle.wait(timeout=120)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = None
+    finally:
+        fs._FileSystemWriter.write_data = original
+    return {
+        "error": error,
+        "exception": type(handle.exception()).__name__,
+        "listed": [r.id for r in ck.list_snapshots()],
+        "previous": previous.id,
+        "left": sorted(p.name for p in Path(root).iterdir()),
+    }
+
+
+def test_a_failed_background_snapshot_raises_on_its_handle(ranks2, tmp_path):
+    results = ranks2.run(_background_failure, str(tmp_path))
+    for r in results:
+        assert r["error"] is not None and "device error while writing" in r["error"]
+        assert r["exception"] == "CheckpointError"
+        assert r["listed"] == [r["previous"]]
+    # The host's leader (rank 0) removed the unfinished folder before its handle reported.
+    assert results[0]["left"] == [results[0]["previous"]]
+
+
+def _persist_then_load(root: str, disk: str) -> dict:
+    s.place(root)
+    ns = s.cell_namespace(seed=0)
+    s.train(ns, 3)
+    s.seed_per_rank(2)
+    expected = s.exact_state(ns)
+    record = s.run_cell(ns, s.SNAPSHOT)
+    persisted = ck.persist_snapshot(record.id, f"{disk}/from-{record.id}")
+    fresh = s.cell_namespace(seed=11, lr=0.3)
+    s.train(fresh, 1)
+    s.seed_per_rank(50)
+    report = ck.load(
+        persisted.path,
+        fresh["model"],
+        fresh["optim"],
+        stateful={
+            "sched": fresh["sched"],
+            "counter": fresh["counter"],
+            "snapshot_rng": ck.RNGState(),
+        },
+    )
+    loaded = s.differences(expected, s.exact_state(fresh))
+    # The persisted folder also restores as the snapshot did: by the names it recorded.
+    again = s.cell_namespace(seed=12, lr=0.7)
+    s.seed_per_rank(51)
+    again["folder"] = persisted.path
+    restored = s.run_cell(
+        again,
+        "from fsdp_interactive.checkpoint import restore_snapshot\n"
+        "result = restore_snapshot(folder, globals())",
+    )
+    return {
+        "persisted": persisted,
+        "report_step": report.step,
+        "loaded": loaded,
+        "listed": [c.name for c in ck.list_checkpoints(disk)],
+        "restored": s.differences(expected, s.exact_state(again)),
+        "restored_names": restored.names,
+        "restored_id": restored.id,
+    }
+
+
+def test_persisted_snapshot_is_a_checkpoint_load_reads_exactly(ranks2, tmp_path):
+    results = ranks2.run(_persist_then_load, str(tmp_path / "shm"), str(tmp_path / "disk"))
+    persisted = results[0]["persisted"]
+    for r in results:
+        assert r["loaded"] == [] and r["report_step"] == 3 and r["persisted"] == persisted
+        assert r["restored"] == [] and r["restored_id"] == persisted.path
+        assert r["restored_names"] == {
+            "model": "model",
+            "optimizer": "optim",
+            "sched": "sched",
+            "counter": "counter",
+        }
+    assert results[0]["listed"] == [persisted.name] and persisted.world_size == 2
+    assert persisted.has_optimizer and persisted.num_files == 3  # .metadata + 2 ranks
+
+
+def _snapshot_then_drop(root: str, drop: bool) -> list[str]:
+    s.place(root)
+    ns = s.cell_namespace(seed=0)
+    s.run_cell(ns, "result = fsdp_interactive.snapshot(model=model)")
+    dist.barrier()
+    return ck.drop_snapshots() if drop and dist.get_rank() == 0 else []
+
+
+def test_drop_snapshots_removes_the_hosts_root(ranks2, tmp_path):
+    root = tmp_path / "shm"
+    removed = ranks2.run(_snapshot_then_drop, str(root), True)[0]
+    assert len(removed) == 1 and not root.exists()
+    # A root that also holds anything else keeps it, and stays.
+    ranks2.run(_snapshot_then_drop, str(root), False)
+    (root / "notes.txt").write_text("mine")
+    assert len(ck.drop_snapshots(root)) == 1
+    assert sorted(p.name for p in root.iterdir()) == ["notes.txt"]
+
+
+def _snapshot_and_async_save(root: str, disk: str, snapshot_first: bool) -> list[str]:
+    s.place(root)
+    ns = s.cell_namespace(seed=0)
+    held = _HeldWrites()
+    try:
+        threading.Timer(0.5, held.release).start()
+        if snapshot_first:
+            handle = s.run_cell(ns, BACKGROUND)
+            ck.async_save(f"{disk}/ckpt", ns["model"], ns["optim"]).wait()
+            handle.wait()
+        else:
+            saving = ck.async_save(f"{disk}/ckpt", ns["model"], ns["optim"])
+            s.run_cell(ns, BACKGROUND).wait()
+            saving.wait()
+    finally:
+        held.restore()
+    return [entry.split(".partial-")[0] for entry in held.log]
+
+
+def test_a_background_snapshot_and_an_async_save_take_turns(ranks2, tmp_path):
+    """Both stage through buffers a process may keep for its async writes: neither starts
+    staging while the other is still writing from them."""
+    for snapshot_first in (True, False):
+        disk = tmp_path / f"disk-{snapshot_first}"
+        log = ranks2.run(_snapshot_and_async_save, str(tmp_path / "shm"), str(disk), snapshot_first)
+        for entries in log:
+            starts = [e for e in entries if e.startswith("start")]
+            ends = [e for e in entries if e.startswith("end")]
+            assert len(starts) == 2 and entries == [starts[0], ends[0], starts[1], ends[1]]
+            assert (".ckpt" in starts[1]) == snapshot_first, entries
