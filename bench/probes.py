@@ -96,6 +96,18 @@ del _t, _FSDP
 """
 
 
+def _rotated_samples(calls: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """``reps`` timed samples of each call after one untimed warm-up call each, the
+    order rotated round by round so that no call always follows the same one."""
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for index in range(reps):
+        for name in rotated(list(calls), index):
+            samples[name].append(_timed(calls[name]))
+    return samples
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -138,13 +150,7 @@ def run(settings: Settings) -> FigureResult:
             for params in sizes:
                 pool.run(_BUILD.format(layers=params // 2), stream=False, timeout=300)
                 first = probe.layout().params[0].fqn
-                calls = _probe_calls(probe, first)
-                for call in calls.values():
-                    call()
-                samples: dict[str, list[float]] = {name: [] for name in calls}
-                for index in range(reps):
-                    for name in rotated(list(calls), index):
-                        samples[name].append(_timed(calls[name]))
+                samples = _rotated_samples(_probe_calls(probe, first), reps)
                 for name, values in samples.items():
                     stat = Stat(values, "s")
                     per.setdefault((name, world), {})[params] = stat
@@ -225,13 +231,7 @@ def _gpt2_case(pool: Any, quick: bool, reps: int, result: FigureResult) -> Compa
     try:
         probe = RankModel(pool, "gpt2", timeout=300)
         tensors = len(probe.layout().params)
-        calls = _probe_calls(probe, GPT2_TENSOR)
-        for call in calls.values():
-            call()
-        samples: dict[str, list[float]] = {name: [] for name in calls}
-        for index in range(reps):
-            for name in rotated(list(calls), index):
-                samples[name].append(_timed(calls[name]))
+        samples = _rotated_samples(_probe_calls(probe, GPT2_TENSOR), reps)
     finally:
         pool.run("del gpt2", stream=False)
     label = f"{GPT2_CASE} ({layers} of 12 blocks, {tensors} tensors)"

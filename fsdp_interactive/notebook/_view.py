@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 
@@ -98,3 +99,33 @@ class View:
 
     def __repr__(self) -> str:
         return self.text()
+
+
+class StatusView(View):
+    """A panel with one status line: what its last action did, or the error it raised.
+
+    ``status`` is plain text (set by the actions); ``error`` the last failed action's
+    :class:`~._error_note.ErrorNote`, shown exception line first instead of ``status``.
+    """
+
+    status: str = ""
+    error: Any = None
+
+    def _guard(self, action: Any) -> None:
+        """Run ``action()``; an exception shows in the status line, as a click has no
+        caller to raise to."""
+        from fsdp_interactive.notebook._error_note import ErrorNote
+
+        self.error = None
+        try:
+            action()
+        except Exception as error:
+            self.error = ErrorNote.of(error)
+            self.status = self.error.text("error: ")
+            self._changed()
+
+    def _status_html(self) -> str:
+        """The status line as HTML: the error while the last action failed."""
+        if self.error is not None:
+            return self.error.html("error: ")
+        return html.escape(self.status)

@@ -16,14 +16,14 @@ from typing import Any
 from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import html_table
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import StatusView
 from fsdp_interactive.notebook.rank_model import RankModel
 
 _HANDLE = "_fsdp_interactive_save_handle"
 _HEADERS = ("name", "step", "saved by", "created (UTC)", "size", "optimizer")
 
 
-class CheckpointPanel(View):
+class CheckpointPanel(StatusView):
     """Save, list, load and delete the checkpoints of a model on the ranks.
 
     ``root`` is the folder holding one sub-folder per checkpoint (as seen by the ranks).
@@ -225,7 +225,7 @@ class CheckpointPanel(View):
         return (
             f"<b>checkpoints in {self.root}: {len(self.records)}</b>"
             + html_table(_HEADERS, self._rows())
-            + (f"<div>{self.status}</div>" if self.status else "")
+            + (f"<div>{html.escape(self.status)}</div>" if self.status else "")
         )
 
     def _build_widget(self) -> Any:
@@ -341,21 +341,9 @@ class CheckpointPanel(View):
         self.status = reason
         self._changed()
 
-    def _guard(self, action: Any) -> None:
-        self.error = None
-        try:
-            action()
-        except Exception as error:  # shown in the panel, as a click has no caller to raise to
-            self.error = ErrorNote.of(error)
-            self.status = self.error.text("error: ")
-            self._changed()
-
     def _update_widget(self) -> None:
         self._table.value = html_table(_HEADERS, self._rows())
-        if self.error is not None:
-            self._status.value = self.error.html("error: ")
-        else:
-            self._status.value = html.escape(self.status)
+        self._status.value = self._status_html()
         names = [r.name for r in self.records]
         self._syncing = True  # the dropdown follows ``selected``; it does not set it here
         try:

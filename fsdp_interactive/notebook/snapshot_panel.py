@@ -18,13 +18,13 @@ from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import html_table
 from fsdp_interactive.notebook._snapshot_calls import take_snapshot
-from fsdp_interactive.notebook._view import View
+from fsdp_interactive.notebook._view import StatusView
 from fsdp_interactive.notebook.rank_model import RankModel
 
 _HEADERS = ("snapshot", "step", "age", "taken in", "memory per host")
 
 
-class SnapshotPanel(View):
+class SnapshotPanel(StatusView):
     """The snapshots of the pool that ``source`` probes; every button is also a call:
     ``refresh()``, ``snapshot(step=None)`` and ``recover(dry_run=False)``.
 
@@ -154,21 +154,9 @@ class SnapshotPanel(View):
         )
         return w.VBox([row, self._table, self._status, self._report])
 
-    def _guard(self, action: Any) -> None:
-        self.error = None
-        try:
-            action()
-        except Exception as error:  # shown in the panel, as a click has no caller to raise to
-            self.error = ErrorNote.of(error)
-            self.status = self.error.text("error: ")
-            self._changed()
-
     def _update_widget(self) -> None:
         self._table.value = html_table(_HEADERS, self._rows())
-        if self.error is not None:
-            self._status.value = self.error.html("error: ")
-        else:
-            self._status.value = html.escape(self.status)
+        self._status.value = self._status_html()
         report = self._report_text()
         self._report.value = f"<pre>{html.escape(report)}</pre>" if report else ""
         self._recover_button.disabled = not self.snapshots
