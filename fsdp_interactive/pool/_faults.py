@@ -61,6 +61,9 @@ class PoolFaults:
         except BaseException as error:
             if entry is not None:
                 pool.journal.finish(entry, outcome_of(error))
+            if isinstance(error, RankDied):
+                # Kept for the next recovery, called or by itself: it leaves these hosts out.
+                self.lost_hosts = list(error.lost_hosts)
             if pool.recover_mode == "auto" and self._wedged_or_dead(error):
                 self._recover_by_itself(error)
             raise
@@ -69,7 +72,6 @@ class PoolFaults:
 
     def _wedged_or_dead(self, error: BaseException) -> bool:
         if isinstance(error, RankDied):
-            self.lost_hosts = list(error.lost_hosts)
             return True
         live = self._pool._live
         if isinstance(error, RankTimeout) and live is not None:
