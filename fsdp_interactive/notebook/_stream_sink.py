@@ -55,7 +55,7 @@ class StreamSink:
         self._displays: dict[int, list[dict[str, Any]]] = {}
         self._display_at: dict[tuple[int, str], int] = {}
         self._bars: dict[int, dict[str, BarState]] = {}
-        self._buffers: dict[tuple[int, str], LineBuffer] = {}
+        self._line_buffers: dict[tuple[int, str], LineBuffer] = {}
         self._moving: set[tuple[int, str]] = set()
         self._stderr = StderrLines(ranks, self._write_stderr)
 
@@ -87,7 +87,7 @@ class StreamSink:
         shown = self._shows_all_of(rank)
         if not shown and name == "stdout":
             return  # nothing of it is shown while the cell runs (it is kept above)
-        buffer = self._buffers.setdefault(key, LineBuffer())
+        buffer = self._line_buffers.setdefault(key, LineBuffer())
         done = buffer.feed_plain(text) if key not in self._moving else None
         if done is not None:  # the common chunk: whole lines, no carriage return
             self._show_plain_text(rank, name, done)
@@ -177,9 +177,9 @@ class StreamSink:
         state."""
         if not self.live:
             return
-        for key in sorted(self._buffers):
+        for key in sorted(self._line_buffers):
             rank, name = key
-            line = self._buffers[key].flush()
+            line = self._line_buffers[key].flush()
             if key in self._moving:
                 self._moving.discard(key)
                 text = self._tag(rank, name) + line.text if line is not None else None

@@ -81,7 +81,7 @@ class TaggedPrinter:
     ) -> None:
         self._files = {"stdout": stdout, "stderr": stderr}
         self._live = live
-        self._buffers: dict[tuple[int, str], LineBuffer] = {}
+        self._line_buffers: dict[tuple[int, str], LineBuffer] = {}
         self._moving: set[tuple[int, str]] = set()
         self._bars: dict[tuple[int, str], str] = {}  # (rank, display id) -> last text
         self._status = StatusLines(self._file)
@@ -98,7 +98,7 @@ class TaggedPrinter:
 
     def __call__(self, rank: int, name: str, text: str) -> None:
         key = (rank, name)
-        buffer = self._buffers.setdefault(key, LineBuffer())
+        buffer = self._line_buffers.setdefault(key, LineBuffer())
         tag = self.tag(rank, name)
         plain = buffer.feed_plain(text) if key not in self._moving else None
         if plain is not None:  # the common chunk: whole lines, no carriage return
@@ -137,8 +137,8 @@ class TaggedPrinter:
             self._status.update(key, "stderr", text)
 
     def flush(self) -> None:
-        for key in sorted(self._buffers):
-            line = self._buffers[key].flush()
+        for key in sorted(self._line_buffers):
+            line = self._line_buffers[key].flush()
             rank, name = key
             if key in self._moving:
                 self._moving.discard(key)

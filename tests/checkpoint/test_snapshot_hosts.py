@@ -101,5 +101,6 @@ def test_a_host_that_lost_one_file_does_not_list_the_snapshot(ranks2, tmp_path):
     saved = ranks2.run(s.take, str(tmp_path), ["host-a", "host-b"])
     record = saved[0][1]
     (tmp_path / "host-b" / record.id / "__0_0.distcp").unlink()  # the ring copy of rank 0's
-    assert _list_on(str(tmp_path / "host-a"), "host-a") == [record.id]
-    assert _list_on(str(tmp_path / "host-b"), "host-b") == []
+    # Listed on the ranks: placing a rank on a host sets its environment.
+    assert ranks2.run(_list_on, str(tmp_path / "host-a"), "host-a")[0] == [record.id]
+    assert ranks2.run(_list_on, str(tmp_path / "host-b"), "host-b")[0] == []

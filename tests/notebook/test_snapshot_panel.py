@@ -18,8 +18,21 @@ def weights(pool) -> dict[int, str]:
     return pool.run(code, stream=False, journal=False).results
 
 
-def test_snapshot_now_plan_and_recover_after_a_death(pool):
-    pool.restart()  # a journal epoch of its own
+@pytest.fixture()
+def fresh_pool(pool_shell):
+    """The session's pool stopped and started again: the snapshots earlier tests left in
+    host memory are freed by the stop, and the journal starts empty."""
+    from fsdp_interactive.notebook.magics import current_pool
+
+    current_pool().stop()
+    pool_shell.run_line_magic("fsdp", "restart")
+    pool = current_pool()
+    assert pool.running and pool.snapshots() == []
+    return pool
+
+
+def test_snapshot_now_plan_and_recover_after_a_death(fresh_pool):
+    pool = fresh_pool
     pool.run(SETUP, cell=1, stream=False)
     panel = SnapshotPanel(RankModel(pool, "model", "optim"))
     widget = panel.widget
