@@ -29,6 +29,7 @@ CHILD = [sys.executable, "-m", "tests.pool.forker_child"]
 def forker(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("forker") / "forker.log"
     env = dict(os.environ, FORKER_TEST_ONLY_IN_FORKER="yes")
+    env.pop("FSDPI_SNAPSHOT_ROOT", None)  # a forker without a snapshot root
     handle = EngineForker(str(log), env)
     try:
         yield handle
