@@ -6,8 +6,9 @@ GPT-2 small built from its config (``GPT2Config()``: 124M parameters), wrapped p
 step at the saved state (one sequence of 32 tokens per rank). Contenders, alternated round
 by round (the order rotated), each on fresh processes (starting them is not timed):
 
-* ``Pool.recover()`` (ours): a ``Pool(N)`` runs the setup cell (build, AdamW, one step;
-  journaled), then a cell that takes ``fsdp_interactive.snapshot(model=, optimizer=)``;
+* ``Pool.recover()`` (ours): a ``Pool(N)`` runs the setup cell (build, AdamW; journaled),
+  a training cell marked not to be replayed (``%%fsdp --no-replay``: one step), then a
+  cell that takes ``fsdp_interactive.snapshot(model=, optimizer=)``;
   rank 1 (its pid from ``pool.topology``) is killed; the next ``pool.run`` of a training
   step raises ``RankDied`` (detection is timed), then ``pool.recover()`` (a fresh group, the
   setup cell replayed, the snapshot restored from host memory) and one training step;
@@ -19,6 +20,9 @@ by round (the order rotated), each on fresh processes (starting them is not time
 * ``Pool.restart()`` by hand (what a user does without recovery): the same pool cells with
   a disk checkpoint instead of a snapshot; after the kill and ``RankDied``, ``restart()``
   (a fresh, empty group), the setup cell run again, ``checkpoint.load``, one step.
+
+Every contender rebuilds the model and loads without running the step that preceded the
+save again, so the three do the same work after the kill.
 
 Also reported: the bytes one snapshot holds per host (the snapshot record's
 ``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate with a background
@@ -102,19 +106,19 @@ def timed_steps(first, count, every):
         handle.wait()
     dist.barrier()
     return time.perf_counter() - began
-
-train_step(0)
 """
 _SNAPSHOT = "fsdp_interactive.snapshot(model=model, optimizer=optim, step=1)"
 _SAVE = "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.save({path!r}, model, optim, step=1)"
 _LOAD = (
     "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.load({path!r}, model, optim)"
 )
+_FIRST_STEP = "train_step(0)"
 _STEP = "train_step(1)"
 
 
 def setup_cell(config: Mapping[str, int]) -> str:
-    """The pool's setup cell: GPT-2 from ``GPT2Config(**config)``, AdamW, one step."""
+    """The pool's setup cell: GPT-2 from ``GPT2Config(**config)``, AdamW, the training
+    step as a function (the first step is a cell of its own)."""
     return _SETUP.format(config=dict(config))
 
 
@@ -154,16 +158,19 @@ def ours_sample(world: int, config: Mapping[str, int]) -> dict[str, float]:
     try:
         pool.start()
         pool.run(setup_cell(config), cell=1, stream=False)
-        pool.run(_SNAPSHOT, cell=2, stream=False, replay=False)
+        # The training cell is marked not to be replayed (%%fsdp --no-replay), as
+        # docs/recovery.md advises: the snapshot, not the replay, brings its state back.
+        pool.run(_FIRST_STEP, cell=2, stream=False, replay=False)
+        pool.run(_SNAPSHOT, cell=3, stream=False, replay=False)
         held = pool.snapshots()[-1].bytes_per_host
         began = _kill_rank_1(pool)
-        _detect(pool, cell=3)
+        _detect(pool, cell=4)
         detected = time.perf_counter()
         # recover() prints its progress and report; the phases are kept from the report.
         with contextlib.redirect_stdout(io.StringIO()):
             report = pool.recover()
         recovered = time.perf_counter()
-        pool.run(_STEP, cell=4, stream=False, replay=False)
+        pool.run(_STEP, cell=5, stream=False, replay=False)
         done = time.perf_counter()
     finally:
         pool.stop()
@@ -187,17 +194,18 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
     try:
         pool.start()
         pool.run(setup, cell=1, stream=False)
-        pool.run(_SAVE.format(path=path), cell=2, stream=False)
+        pool.run(_FIRST_STEP, cell=2, stream=False)
+        pool.run(_SAVE.format(path=path), cell=3, stream=False)
         began = _kill_rank_1(pool)
-        _detect(pool, cell=3)
+        _detect(pool, cell=4)
         detected = time.perf_counter()
         pool.restart()
         restarted = time.perf_counter()
-        pool.run(setup, cell=4, stream=False)
+        pool.run(setup, cell=5, stream=False)
         rebuilt = time.perf_counter()
-        pool.run(_LOAD.format(path=path), cell=5, stream=False)
+        pool.run(_LOAD.format(path=path), cell=6, stream=False)
         loaded = time.perf_counter()
-        pool.run(_STEP, cell=6, stream=False, replay=False)
+        pool.run(_STEP, cell=7, stream=False, replay=False)
         done = time.perf_counter()
     finally:
         pool.stop()
