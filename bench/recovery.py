@@ -24,7 +24,8 @@ by round (the order rotated), each on fresh processes (starting them is not time
 Every contender rebuilds the model and loads without running the step that preceded the
 save again, so the three do the same work after the kill.
 
-Also reported: the bytes one snapshot holds per host (the snapshot record's
+Also reported: the time from the kill to the state restored (before the first step,
+which is the same work for all three), the bytes one snapshot holds per host (the snapshot record's
 ``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate with a background
 snapshot every 10 steps against none (a loop of 20 steps with snapshots after steps 5 and
 15, so that every background write overlaps later steps; the last write is awaited inside
@@ -177,6 +178,7 @@ def ours_sample(world: int, config: Mapping[str, int]) -> dict[str, float]:
     phases = {name: float(seconds) for name, seconds in report.phases.items()}
     return {
         "total": done - began,
+        "ready": recovered - began,
         "detect": detected - began,
         **phases,
         "recover": recovered - detected,
@@ -211,6 +213,7 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         pool.stop()
     return {
         "total": done - began,
+        "ready": loaded - began,
         "detect": detected - began,
         "restart": restarted - detected,
         "setup": rebuilt - restarted,
@@ -264,14 +267,17 @@ def torchrun_sample(
     times = {}
     for line in stdout.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in ("KILLED", "STEPPED"):
+        if len(parts) == 2 and parts[0] in ("KILLED", "LOADED", "STEPPED"):
             times[parts[0]] = float(parts[1])
-    if proc.returncode != 0 or set(times) != {"KILLED", "STEPPED"}:
+    if proc.returncode != 0 or set(times) != {"KILLED", "LOADED", "STEPPED"}:
         raise RuntimeError(
             f"torchrun of {RECOVERY_SCRIPT.name} exited with {proc.returncode}, "
             f"printed {sorted(times)}:\n{stdout[-1000:]}\n{tail}"
         )
-    return {"total": times["STEPPED"] - times["KILLED"]}
+    return {
+        "total": times["STEPPED"] - times["KILLED"],
+        "ready": times["LOADED"] - times["KILLED"],
+    }
 
 
 def snapshot_cost(
@@ -317,6 +323,7 @@ def measure(
     for world in worlds:
         case = f"{world} ranks"
         totals: dict[str, list[float]] = {OURS: [], TORCHRUN: [], RESTART: []}
+        readies: dict[str, list[float]] = {name: [] for name in totals}
         parts: dict[str, list[float]] = {}
         for index in range(samples):
             for name in rotated(list(totals), index):
@@ -331,13 +338,16 @@ def measure(
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)
                 totals[name].append(sample.pop("total"))
+                readies[name].append(sample.pop("ready"))
                 label = "ours" if name == OURS else "by hand" if name == RESTART else ""
                 for part, value in sample.items():
                     parts.setdefault(f"{case}: {label}: {part}", []).append(value)
                 log(f"{case}, round {index + 1}: {name}: {totals[name][-1]:.2f} s")
         stats = {name: Stat(values, "s") for name, values in totals.items()}
+        ready = {name: Stat(values, "s") for name, values in readies.items()}
         for name, stat in stats.items():
             result.measurements[f"{case}: kill to a trained step, {name}"] = stat
+            result.measurements[f"{case}: kill to the state restored, {name}"] = ready[name]
         for part, values in parts.items():
             unit = "B" if part.endswith("bytes_per_host") else "s"
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
@@ -360,6 +370,21 @@ def measure(
                     paired=True,
                 )
             )
+        # The same comparison without the first step after the restore, which is the
+        # same work for all three and, on CPU ranks, as long as the rest together.
+        result.comparisons.append(
+            Comparison(
+                figure=result.key,
+                case=f"{case}, to the state restored (before the first step)",
+                subject_name=OURS,
+                reference_name=TORCHRUN,
+                subject=ready[OURS],
+                reference=ready[TORCHRUN],
+                target=None,
+                note="no target: kill to the state restored, the first step left out",
+                paired=True,
+            )
+        )
         if cost_steps:
             runs = snapshot_cost(world, config, cost_steps, cost_every, samples)
             rate = {k: Stat([cost_steps / s for s in v], "steps/s") for k, v in runs.items()}

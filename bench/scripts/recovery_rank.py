@@ -88,6 +88,8 @@ def main() -> None:
     if latest is None:
         raise SystemExit(f"no checkpoint under {folder} to restart from")
     ck.load(latest.path, model, optim)
+    if dist.get_rank() == 0:
+        print(f"LOADED {time.time():.6f}", flush=True)
     train_step(model, optim, vocab, 1)
     if dist.get_rank() == 0:
         print(f"STEPPED {time.time():.6f}", flush=True)

@@ -41,6 +41,8 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
     for name in (OURS, TORCHRUN, RESTART):
         stat = measurements[f"2 ranks: kill to a trained step, {name}"]
         assert stat["unit"] == "s" and stat["samples"] and all(v > 0 for v in stat["samples"])
+        ready = measurements[f"2 ranks: kill to the state restored, {name}"]
+        assert 0 < ready["median"] < stat["median"]  # the first step comes after it
     held = measurements["2 ranks: one snapshot in host memory, per host"]
     assert held["unit"] == "B" and held["median"] > 0
     for name, stat in measurements.items():
