@@ -364,7 +364,11 @@ def write_report(info: RunInfo, figures: list[FigureResult], out_dir: Path) -> d
 
 # Sections of benchmarks.md written by other commands (their own headings say how); a
 # rerun of the report keeps them, from their heading to the end of the file.
-KEPT_SECTIONS = ("## Notebook views at real sizes", "## Two hosts x two ranks")
+KEPT_SECTIONS = (
+    "## Notebook views at real sizes",
+    "## Two hosts x two ranks",
+    "## Recovery after a SIGKILL",
+)
 
 
 def _kept_sections(md: Path) -> str:

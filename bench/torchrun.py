@@ -77,7 +77,7 @@ def relaunch(
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop_session(proc)
+        stop_session(proc)
         raise TimeoutError(f"torchrun of {script.name} did not finish in {timeout:.0f}s") from None
     total = time.perf_counter() - start
     if proc.returncode != 0:
@@ -113,7 +113,7 @@ def death_latency(world_size: int, timeout: float = 120.0) -> float:
             proc.wait(timeout=timeout)
             latency = time.perf_counter() - start
         finally:
-            _stop_session(proc)
+            stop_session(proc)
             reader.join(timeout=10)
     if proc.returncode == 0:
         raise RuntimeError("torchrun exited with status 0 after one of its ranks was killed")
@@ -148,7 +148,9 @@ def _ready_pids(
     return pids
 
 
-def _stop_session(proc: subprocess.Popen) -> None:
+def stop_session(proc: subprocess.Popen) -> None:
+    """End the session ``proc`` leads (a launcher started with ``start_new_session``, and
+    the workers it started): SIGTERM, then SIGKILL; nothing when it is already gone."""
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)

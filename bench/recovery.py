@@ -1,0 +1,486 @@
+"""Figure: recovery: from a SIGKILL of one rank to training again at the saved state.
+
+GPT-2 small built from its config (``GPT2Config()``: 124M parameters), wrapped per
+``GPT2Block`` with ``fsdp_interactive.fsdp.FullyShardedDataParallel``, AdamW, on CPU ranks
+(gloo). Each sample is timed from the SIGKILL of rank 1 to the end of the first training
+step at the saved state (one sequence of 32 tokens per rank). Contenders, alternated round
+by round (the order rotated), each on fresh processes (starting them is not timed):
+
+* ``Pool.recover()`` (ours): a ``Pool(N)`` runs the setup cell (build, AdamW; journaled),
+  a training cell marked not to be replayed (``%%fsdp --no-replay``: one step), then a
+  cell that takes ``fsdp_interactive.snapshot(model=, optimizer=)``;
+  rank 1 (its pid from ``pool.topology``) is killed; the next ``pool.run`` of a training
+  step raises ``RankDied`` (detection is timed), then ``pool.recover()`` (a fresh group, the
+  setup cell replayed, the snapshot restored from host memory) and one training step;
+* torchrun ``--max-restarts 1`` (the reference): ``bench/scripts/recovery_rank.py`` builds
+  the model, takes one step, saves a disk checkpoint with ``fsdp_interactive.checkpoint.save``
+  and rank 1 kills itself (printing the time); the launcher restarts every worker, which
+  build the model, ``checkpoint.load`` the newest checkpoint and take one step (rank 0
+  prints the time);
+* ``Pool.restart()`` by hand (what a user does without recovery): the same pool cells with
+  a disk checkpoint instead of a snapshot; after the kill and ``RankDied``, ``restart()``
+  (a fresh, empty group), the setup cell run again, ``checkpoint.load``, one step.
+
+Every contender rebuilds the model and loads without running the step that preceded the
+save again, so the three do the same work after the kill.
+
+Also reported: the time from the kill to the state restored (before the first step,
+which is the same work for all three), the bytes one snapshot holds per host (the snapshot record's
+``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate with a background
+snapshot every 10 steps against none (a loop of 20 steps with snapshots after steps 5 and
+15, so that every background write overlaps later steps; the last write is awaited inside
+the timing). Target: ours <= 0.5x torchrun's time.
+
+    .venv/bin/python -m bench.recovery [--ranks 2 [4]] [--samples 3] [--cost-steps 20]
+                                       [--json FILE] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.formatting import fmt_ratio, fmt_stat, verdict
+from bench.run_info import now_and_load
+from bench.runner import Comparison, FigureResult, Settings, Stat, Target, rotated
+from bench.torchrun import stop_session
+
+RECOVERY_SCRIPT = Path(__file__).resolve().parent / "scripts" / "recovery_rank.py"
+
+OURS = "Pool.recover() from a snapshot (ours)"
+TORCHRUN = "torchrun --max-restarts 1 from a disk checkpoint"
+RESTART = "Pool.restart() + setup cell + checkpoint.load by hand"
+TARGET = Target("<=", 0.5)
+#: A GPT-2 small enough for a smoke test (``--tiny``): the same code paths in seconds.
+TINY_CONFIG: dict[str, int] = {
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 2,
+    "vocab_size": 128,
+    "n_positions": 64,
+}
+
+_SETUP = """
+import torch
+import fsdp_interactive
+from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
+from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+torch.manual_seed(0)
+config = GPT2Config(**{config!r})
+model = FSDP(GPT2LMHeadModel(config), auto_wrap_policy=ModuleWrapPolicy({{GPT2Block}}))
+optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+def train_step(step):
+    generator = torch.Generator().manual_seed(step * 1000 + rank)
+    tokens = torch.randint(0, config.vocab_size, (1, 32), generator=generator)
+    model(tokens, labels=tokens).loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+def timed_steps(first, count, every):
+    import time
+    handle = None
+    dist.barrier()
+    began = time.perf_counter()
+    for step in range(first, first + count):
+        train_step(step)
+        if every and (step + 1) % every == every // 2:
+            handle = fsdp_interactive.snapshot(
+                model=model, optimizer=optim, step=step + 1, background=True
+            )
+    if handle is not None:
+        handle.wait()
+    dist.barrier()
+    return time.perf_counter() - began
+"""
+_SNAPSHOT = "fsdp_interactive.snapshot(model=model, optimizer=optim, step=1)"
+_SAVE = "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.save({path!r}, model, optim, step=1)"
+_LOAD = (
+    "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.load({path!r}, model, optim)"
+)
+_FIRST_STEP = "train_step(0)"
+_STEP = "train_step(1)"
+
+
+def setup_cell(config: Mapping[str, int]) -> str:
+    """The pool's setup cell: GPT-2 from ``GPT2Config(**config)``, AdamW, the training
+    step as a function (the first step is a cell of its own)."""
+    return _SETUP.format(config=dict(config))
+
+
+def _pool(world: int) -> Any:
+    from fsdp_interactive.pool import Pool
+
+    return Pool(world, devices="cpu", show_topology=False)
+
+
+def _kill_rank_1(pool: Any) -> float:
+    """SIGKILL rank 1 by its pid; the moment of the kill (``perf_counter``)."""
+    pid = next(r.pid for r in pool.topology if r.rank == 1)
+    began = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    return began
+
+
+def _detect(pool: Any, cell: int) -> None:
+    """Run a training step; the pool must answer with ``RankDied`` (rank 1 is dead)."""
+    from fsdp_interactive.pool import RankDied
+
+    try:
+        pool.run(_STEP, cell=cell, stream=False, replay=False)
+    except RankDied:
+        return
+    raise RuntimeError("a training step ran although rank 1 was killed: no RankDied")
+
+
+def ours_sample(world: int, config: Mapping[str, int]) -> dict[str, float]:
+    """One recovery with ``Pool.recover()``: seconds from the kill, in phases.
+
+    Keys: ``total``, ``detect`` (to ``RankDied``), the recovery's own phases (``end``,
+    ``start``, ``find``, ``replay``, ``restore``), ``step`` (the first step after it),
+    ``bytes_per_host`` (the largest host's bytes of the snapshot).
+    """
+    pool = _pool(world)
+    try:
+        pool.start()
+        pool.run(setup_cell(config), cell=1, stream=False)
+        # The training cell is marked not to be replayed (%%fsdp --no-replay), as
+        # docs/recovery.md advises: the snapshot, not the replay, brings its state back.
+        pool.run(_FIRST_STEP, cell=2, stream=False, replay=False)
+        pool.run(_SNAPSHOT, cell=3, stream=False, replay=False)
+        held = pool.snapshots()[-1].bytes_per_host
+        began = _kill_rank_1(pool)
+        _detect(pool, cell=4)
+        detected = time.perf_counter()
+        # recover() prints its progress and report; the phases are kept from the report.
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = pool.recover()
+        recovered = time.perf_counter()
+        pool.run(_STEP, cell=5, stream=False, replay=False)
+        done = time.perf_counter()
+    finally:
+        pool.stop()
+    phases = {name: float(seconds) for name, seconds in report.phases.items()}
+    return {
+        "total": done - began,
+        "ready": recovered - began,
+        "detect": detected - began,
+        **phases,
+        "recover": recovered - detected,
+        "step": done - recovered,
+        "bytes_per_host": float(max(held.values())),
+    }
+
+
+def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str, float]:
+    """One manual restart: ``RankDied``, ``Pool.restart()``, the setup cell again,
+    ``checkpoint.load`` from a disk checkpoint saved in ``folder``, one step."""
+    pool = _pool(world)
+    setup = setup_cell(config)
+    path = os.path.join(folder, "step-1")
+    try:
+        pool.start()
+        pool.run(setup, cell=1, stream=False)
+        pool.run(_FIRST_STEP, cell=2, stream=False)
+        pool.run(_SAVE.format(path=path), cell=3, stream=False)
+        began = _kill_rank_1(pool)
+        _detect(pool, cell=4)
+        detected = time.perf_counter()
+        pool.restart()
+        restarted = time.perf_counter()
+        pool.run(setup, cell=5, stream=False)
+        rebuilt = time.perf_counter()
+        pool.run(_LOAD.format(path=path), cell=6, stream=False)
+        loaded = time.perf_counter()
+        pool.run(_STEP, cell=7, stream=False, replay=False)
+        done = time.perf_counter()
+    finally:
+        pool.stop()
+    return {
+        "total": done - began,
+        "ready": loaded - began,
+        "detect": detected - began,
+        "restart": restarted - detected,
+        "setup": rebuilt - restarted,
+        "load": loaded - rebuilt,
+        "step": done - loaded,
+    }
+
+
+def torchrun_sample(
+    world: int, config: Mapping[str, int], folder: str, timeout: float = 900.0
+) -> dict[str, float]:
+    """One torchrun restart of ``bench/scripts/recovery_rank.py``: seconds from rank 1's
+    self-kill to rank 0's first step after the relaunch (both printed as unix times)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "--max-restarts=1",
+        str(RECOVERY_SCRIPT),
+    ]
+    # The same one intra-op thread per rank as the pool's ranks (and the other figures).
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        BENCH_CHECKPOINT_DIR=folder,
+        BENCH_GPT2_CONFIG=json.dumps(dict(config)),
+    )
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_session(proc)
+            raise TimeoutError(
+                f"torchrun of {RECOVERY_SCRIPT.name} overran {timeout:.0f}s"
+            ) from None
+        finally:
+            stop_session(proc)
+        errors.seek(0)
+        tail = errors.read()[-3000:]
+    times = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in ("KILLED", "LOADED", "STEPPED"):
+            times[parts[0]] = float(parts[1])
+    if proc.returncode != 0 or set(times) != {"KILLED", "LOADED", "STEPPED"}:
+        raise RuntimeError(
+            f"torchrun of {RECOVERY_SCRIPT.name} exited with {proc.returncode}, "
+            f"printed {sorted(times)}:\n{stdout[-1000:]}\n{tail}"
+        )
+    return {
+        "total": times["STEPPED"] - times["KILLED"],
+        "ready": times["LOADED"] - times["KILLED"],
+    }
+
+
+def snapshot_cost(
+    world: int, config: Mapping[str, int], steps: int, every: int, samples: int
+) -> dict[str, list[float]]:
+    """Seconds of ``steps`` training steps on one pool, without snapshots and with a
+    background snapshot every ``every`` steps, alternated; rank 0's times."""
+    pool = _pool(world)
+    runs: dict[str, list[float]] = {"none": [], "background": []}
+    try:
+        pool.start()
+        pool.run(setup_cell(config), cell=1, stream=False)
+        first = 1
+        for index in range(samples):
+            for name in rotated(list(runs), index):
+                cadence = every if name == "background" else 0
+                code = f"timed_steps({first}, {steps}, {cadence})"
+                result = pool.run(code, stream=False, replay=False)
+                runs[name].append(float(ast.literal_eval(result.results[0])))
+                first += steps
+    finally:
+        pool.stop()
+    return runs
+
+
+def measure(
+    worlds: Sequence[int],
+    samples: int,
+    config: Mapping[str, int],
+    cost_steps: int = 20,
+    cost_every: int = 10,
+    log: Callable[[str], None] = lambda line: None,
+) -> FigureResult:
+    """The figure at each world size in ``worlds``; ``samples`` rounds of the three
+    contenders, alternated; then the snapshot cost (skipped when ``cost_steps`` is 0)."""
+    result = FigureResult("recovery", "Recovery after a SIGKILL")
+    model = "GPT-2 small (GPT2Config())" if not config else f"GPT2Config(**{dict(config)})"
+    result.notes.append(
+        f"{model} + AdamW; {samples} sample(s) per contender and world size, the three "
+        "rotated round by round, no warm-up round; each sample on fresh processes "
+        "(their start untimed). CPU ranks, gloo, one intra-op thread per rank."
+    )
+    for world in worlds:
+        case = f"{world} ranks"
+        totals: dict[str, list[float]] = {OURS: [], TORCHRUN: [], RESTART: []}
+        readies: dict[str, list[float]] = {name: [] for name in totals}
+        parts: dict[str, list[float]] = {}
+        for index in range(samples):
+            for name in rotated(list(totals), index):
+                folder = tempfile.mkdtemp(prefix="fsdpi-bench-recovery-")
+                try:
+                    if name == OURS:
+                        sample = ours_sample(world, config)
+                    elif name == TORCHRUN:
+                        sample = torchrun_sample(world, config, folder)
+                    else:
+                        sample = restart_sample(world, config, folder)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+                totals[name].append(sample.pop("total"))
+                readies[name].append(sample.pop("ready"))
+                label = "ours" if name == OURS else "by hand" if name == RESTART else ""
+                for part, value in sample.items():
+                    parts.setdefault(f"{case}: {label}: {part}", []).append(value)
+                log(f"{case}, round {index + 1}: {name}: {totals[name][-1]:.2f} s")
+        stats = {name: Stat(values, "s") for name, values in totals.items()}
+        ready = {name: Stat(values, "s") for name, values in readies.items()}
+        for name, stat in stats.items():
+            result.measurements[f"{case}: kill to a trained step, {name}"] = stat
+            result.measurements[f"{case}: kill to the state restored, {name}"] = ready[name]
+        for part, values in parts.items():
+            unit = "B" if part.endswith("bytes_per_host") else "s"
+            name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
+            result.measurements[name] = Stat(values, unit)
+        for subject, reference, target, note in (
+            (OURS, TORCHRUN, TARGET, ""),
+            (RESTART, TORCHRUN, None, "no target: what a user does today, beside torchrun"),
+            (OURS, RESTART, None, "no target: ours beside the manual restart"),
+        ):
+            result.comparisons.append(
+                Comparison(
+                    figure=result.key,
+                    case=case,
+                    subject_name=subject,
+                    reference_name=reference,
+                    subject=stats[subject],
+                    reference=stats[reference],
+                    target=target,
+                    note=note,
+                    paired=True,
+                )
+            )
+        # The same comparison without the first step after the restore, which is the
+        # same work for all three and, on CPU ranks, as long as the rest together.
+        result.comparisons.append(
+            Comparison(
+                figure=result.key,
+                case=f"{case}, to the state restored (before the first step)",
+                subject_name=OURS,
+                reference_name=TORCHRUN,
+                subject=ready[OURS],
+                reference=ready[TORCHRUN],
+                target=None,
+                note="no target: kill to the state restored, the first step left out",
+                paired=True,
+            )
+        )
+        if cost_steps:
+            runs = snapshot_cost(world, config, cost_steps, cost_every, samples)
+            rate = {k: Stat([cost_steps / s for s in v], "steps/s") for k, v in runs.items()}
+            plain = f"{case}: steps/s without snapshots"
+            every = f"{case}: steps/s with a background snapshot every {cost_every} steps"
+            result.measurements[plain] = rate["none"]
+            result.measurements[every] = rate["background"]
+            result.comparisons.append(
+                Comparison(
+                    figure=result.key,
+                    case=case,
+                    subject_name=f"steps/s, a background snapshot every {cost_every} steps",
+                    reference_name="steps/s without snapshots",
+                    subject=rate["background"],
+                    reference=rate["none"],
+                    target=None,
+                    note=f"no target: the rate kept, {cost_steps}-step loops alternated",
+                    paired=True,
+                )
+            )
+            log(f"{case}: snapshot cost measured")
+    return result
+
+
+def run(settings: Settings) -> FigureResult:
+    """Recovery: Pool.recover() vs torchrun --max-restarts 1 vs a manual restart."""
+    if settings.quick:
+        return measure((2,), 1, TINY_CONFIG, cost_steps=4, cost_every=2)
+    return measure((2,), settings.samples or 3, {})
+
+
+def markdown(result: FigureResult) -> str:
+    """The figure as Markdown: the comparisons, then every measurement."""
+    lines = [
+        "| Case | Subject | Reference | Ratio | Target | Result |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in result.comparisons:
+        note = f" ({c.note})" if c.note else ""
+        lines.append(
+            f"| {c.case}{note} | {c.subject_name}: {fmt_stat(c.subject)} | "
+            f"{c.reference_name}: {fmt_stat(c.reference)} | {fmt_ratio(c)} | "
+            f"{c.target or 'n/a'} | {verdict(c)} |"
+        )
+    lines += ["", "| Measurement | Median [min to max] | Samples |", "| --- | --- | --- |"]
+    for name, stat in result.measurements.items():
+        lines.append(f"| {name} | {fmt_stat(stat)} | {len(stat.samples)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="world sizes")
+    parser.add_argument("--samples", type=int, default=3, help="rounds per world size")
+    parser.add_argument(
+        "--cost-steps",
+        type=int,
+        default=20,
+        help="steps per loop of the snapshot-cost measurement (0: skip it)",
+    )
+    parser.add_argument("--cost-every", type=int, default=10, help="steps between snapshots")
+    parser.add_argument("--json", type=Path, help="also write the figure's records here")
+    parser.add_argument("--tiny", action="store_true", help="a tiny GPT-2 (smoke test)")
+    args = parser.parse_args(argv)
+    if args.samples < 1 or any(world < 2 for world in args.ranks):
+        parser.error("--samples must be >= 1 and every --ranks >= 2 (rank 1 is killed)")
+    began = now_and_load()
+    started = time.perf_counter()
+    result = measure(
+        args.ranks,
+        args.samples,
+        TINY_CONFIG if args.tiny else {},
+        cost_steps=args.cost_steps,
+        cost_every=args.cost_every,
+        log=lambda line: print(f"[recovery] {line}", file=sys.stderr, flush=True),
+    )
+    result.seconds = time.perf_counter() - started
+    result.measured = f"from {began} to {now_and_load()}"
+    print(f"Measured {result.measured}.")
+    for note in result.notes:
+        print(note)
+    print()
+    print(markdown(result))
+    for c in result.comparisons:
+        if c.target is not None:
+            # "met"/"missed" at the median, and the report's verdict, which also weighs
+            # the noise (unresolved when the ratio's interval straddles the target).
+            at_median = "met" if c.ratio is not None and c.target.met(c.ratio) else "missed"
+            print(
+                f"\n{c.case}: ours / torchrun = {c.ratio:.3f} (target {c.target}): "
+                f"{at_median} at the median; by the 95% interval: {verdict(c)}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

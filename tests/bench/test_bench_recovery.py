@@ -1,0 +1,54 @@
+"""Smoke test of ``python -m bench.recovery``: with a tiny GPT-2 and one sample, every
+contender (``Pool.recover()``, a torchrun restart, a manual ``Pool.restart()``) recovers
+from a SIGKILL and the JSON records carry positive numbers, the ratio against the target
+and a verdict. No timing is asserted (the figures are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.recovery import OURS, RESTART, TORCHRUN
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
+    out = tmp_path / "recovery.json"
+    command = [sys.executable, "-m", "bench.recovery", "--tiny", "--samples", "1"]
+    proc = subprocess.Popen(
+        [*command, "--cost-steps", "4", "--cost-every", "2", "--json", str(out)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, output
+    figure = json.loads(out.read_text())
+    assert figure["key"] == "recovery" and figure["error"] is None
+    measurements = figure["measurements"]
+    for name in (OURS, TORCHRUN, RESTART):
+        stat = measurements[f"2 ranks: kill to a trained step, {name}"]
+        assert stat["unit"] == "s" and stat["samples"] and all(v > 0 for v in stat["samples"])
+        ready = measurements[f"2 ranks: kill to the state restored, {name}"]
+        assert 0 < ready["median"] < stat["median"]  # the first step comes after it
+    held = measurements["2 ranks: one snapshot in host memory, per host"]
+    assert held["unit"] == "B" and held["median"] > 0
+    for name, stat in measurements.items():
+        assert all(v > 0 for v in stat["samples"]), name
+    target = [c for c in figure["comparisons"] if c["target"] is not None]
+    assert [(c["subject_name"], c["reference_name"]) for c in target] == [(OURS, TORCHRUN)]
+    assert target[0]["ratio"] > 0 and target[0]["verdict"] in ("met", "missed", "unresolved")
+    assert any(c["subject_name"].startswith("steps/s") for c in figure["comparisons"])
+    assert "ours / torchrun = " in output and "| Measurement |" in output
