@@ -9,18 +9,15 @@ No timing is asserted: speed is what the report shows, not what a test checks.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench._runs import run_module
+
 # The quick run's checkpoint figure starts a group of four ranks.
 pytestmark = pytest.mark.world4
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FIGURES = (
     "dispatch",
     "cold_start",
@@ -39,21 +36,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench-quick")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=480)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"python -m bench --quick did not finish in 480 s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"python -m bench --quick failed:\n{output[-6000:]}"
+    returncode, output = run_module(["bench", "--quick", "--out", str(out)], timeout=480)
+    assert returncode == 0, f"python -m bench --quick failed:\n{output[-6000:]}"
     return out
 
 

@@ -6,35 +6,22 @@ and a verdict. No timing is asserted (the figures are in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from bench.recovery import OURS, RESTART, TORCHRUN
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.bench._runs import run_module
 
 
 def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    command = [sys.executable, "-m", "bench.recovery", "--tiny", "--samples", "1"]
-    proc = subprocess.Popen(
-        [*command, "--cost-steps", "4", "--cost-every", "2", "--json", str(out)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    returncode, output = run_module(
+        [
+            *("bench.recovery", "--tiny", "--samples", "1"),
+            *("--cost-steps", "4", "--cost-every", "2", "--json", str(out)),
+        ],
+        timeout=400,
     )
-    try:
-        output, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, output
+    assert returncode == 0, output
     figure = json.loads(out.read_text())
     assert figure["key"] == "recovery" and figure["error"] is None
     measurements = figure["measurements"]
