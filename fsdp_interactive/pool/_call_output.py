@@ -16,9 +16,13 @@ message so far, the current one included; a request whose callback is never call
 output at all) has its record read once its output is complete. Each message is thus
 seen once, at the cost of one callback per message on that thread and no message sent.
 
+A rank may also print and then wait, sending nothing more until its output is seen; when
+the record holds output that no callback has taken, the record is taken on the client's
+I/O thread, between two messages (:func:`_on_io_thread`).
+
 ipyparallel names used: ``AsyncResult._children`` (the request's ``MessageFuture``, whose
 public ``iopub_callbacks`` list receives every IOPub message of the request; checked on
-ipyparallel 9.2.0). Where it is missing the record is read instead, each time
+ipyparallel 9.2.0) and ``Client._io_loop``. Where it is missing the record is read instead, each time
 :meth:`CallOutput.take` is called: a text that shrank is handed on as a carriage return
 and its current line, and displays as they were first published (their updates are not
 seen).
@@ -74,6 +78,22 @@ def display_of(content: Mapping[str, Any], update: bool = False) -> RankDisplay:
     )
 
 
+def _has_output(record: Mapping[str, Any]) -> bool:
+    return any(record.get(name) for name in STREAMS) or bool(record.get("outputs"))
+
+
+def _on_io_thread(handle: Any, action: Any) -> None:
+    """Run ``action()`` on the client's I/O thread, which records each IOPub message and
+    then calls its request's callbacks in one go; run at once where that thread's loop is
+    not reachable (``Client._io_loop``, ipyparallel's private tornado loop, checked on
+    ipyparallel 9.2.0; its ``add_callback`` may be called from any thread)."""
+    loop = getattr(getattr(handle, "_client", None), "_io_loop", None)
+    if loop is None or not callable(getattr(loop, "add_callback", None)):
+        action()
+        return
+    loop.add_callback(action)
+
+
 def received_metadata(handle: Any) -> dict[str, Any]:
     """A single-engine AsyncResult's metadata dict, as received.
 
@@ -112,6 +132,7 @@ class CallOutput:
         self._arrived: collections.deque[tuple[int, Item]] = collections.deque()
         self._lock = threading.Lock()
         self._caught_up: set[int] = set()  # ranks whose record was taken
+        self._catching_up: set[int] = set()  # ranks whose record is to be taken
         self._subscribed: dict[int, tuple[Any, Any]] = {}
         self._read: dict[tuple[int, str], str] = {}
         self._read_displays: dict[int, int] = {}
@@ -158,8 +179,16 @@ class CallOutput:
         if self._polled:
             return self._poll()
         for rank, handle in self._handles.items():
-            if rank not in self._caught_up and handle.wait_for_output(0):
+            if rank in self._caught_up:
+                continue
+            if handle.wait_for_output(0):
                 self._catch_up(rank)  # no message ever called back: read the record
+            elif rank not in self._catching_up and _has_output(received_metadata(handle)):
+                # Output arrived before the subscription, and no message since (the rank
+                # may wait for that very output to be seen): catch up on the client's I/O
+                # thread, between two messages, so no message is taken twice or missed.
+                self._catching_up.add(rank)
+                _on_io_thread(handle, functools.partial(self._catch_up, rank))
         taken = []
         while self._arrived:
             taken.append(self._arrived.popleft())

@@ -5,10 +5,11 @@ current line), and the default printer moves a progress line in place."""
 from __future__ import annotations
 
 import io
+import time
 
 from fsdp_interactive._lines import LineBuffer, final_lines, final_text
 from fsdp_interactive.pool import TaggedPrinter
-from fsdp_interactive.pool._call_output import CallOutput, RankText
+from fsdp_interactive.pool._call_output import CallOutput, RankText, received_metadata
 
 COUNTER = (
     "import sys, time\n"
@@ -76,3 +77,37 @@ def test_the_default_printer_moves_a_progress_line_and_ends_it_in_its_last_state
     assert (
         result.stderr[0].startswith("rank 0: 100%|██████████| 4/4") and "\r" not in result.stderr[0]
     )
+
+
+def test_output_that_arrived_before_the_subscription_is_taken_while_the_rank_waits(pool, tmp_path):
+    """A rank prints, then waits until its line has been seen; the subscription starts only
+    after the line reached the client, so no message will ever call it back. take() must
+    still hand the line over (once) while the rank waits."""
+    marker = tmp_path / "seen"
+    code = (
+        "import os, time\n"
+        "print('waiting', flush=True)\n"
+        "deadline = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(marker)!r}):\n"
+        "    assert time.monotonic() < deadline, 'the line was not taken'\n"
+        "    time.sleep(0.05)\n"
+        "print('released', flush=True)\n"
+    )
+    handle = pool._live.views([0])[0].execute(code, block=False, silent=False)
+    deadline = time.monotonic() + 30
+    while "waiting" not in (received_metadata(handle).get("stdout") or ""):
+        assert time.monotonic() < deadline, "the rank's line never reached the client"
+        time.sleep(0.02)
+    output = CallOutput({0: handle})
+    texts: list[str] = []
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"take() never handed the line over: {texts}"
+        texts += [item.text for _, item in output.take()]
+        if any("waiting" in text for text in texts):
+            marker.touch()
+        time.sleep(0.02)
+    handle.get(30)
+    handle.wait_for_output(5)
+    texts += [item.text for _, item in output.take()]
+    output.close()
+    assert "".join(texts) == "waiting\nreleased\n"
