@@ -352,39 +352,42 @@ def measure(
             unit = "B" if part.endswith("bytes_per_host") else "s"
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
             result.measurements[name] = Stat(values, unit)
-        for subject, reference, target, note in (
-            (OURS, TORCHRUN, TARGET, ""),
-            (RESTART, TORCHRUN, None, "no target: what a user does today, beside torchrun"),
-            (OURS, RESTART, None, "no target: ours beside the manual restart"),
+        # The last row leaves out the first step after the restore, which is the same
+        # work for all three and, on CPU ranks, as long as the rest together.
+        restored = f"{case}, to the state restored (before the first step)"
+        for row_case, times, subject, reference, target, note in (
+            (case, stats, OURS, TORCHRUN, TARGET, ""),
+            (
+                case,
+                stats,
+                RESTART,
+                TORCHRUN,
+                None,
+                "no target: what a user does today, beside torchrun",
+            ),
+            (case, stats, OURS, RESTART, None, "no target: ours beside the manual restart"),
+            (
+                restored,
+                ready,
+                OURS,
+                TORCHRUN,
+                None,
+                "no target: kill to the state restored, the first step left out",
+            ),
         ):
             result.comparisons.append(
                 Comparison(
                     figure=result.key,
-                    case=case,
+                    case=row_case,
                     subject_name=subject,
                     reference_name=reference,
-                    subject=stats[subject],
-                    reference=stats[reference],
+                    subject=times[subject],
+                    reference=times[reference],
                     target=target,
                     note=note,
                     paired=True,
                 )
             )
-        # The same comparison without the first step after the restore, which is the
-        # same work for all three and, on CPU ranks, as long as the rest together.
-        result.comparisons.append(
-            Comparison(
-                figure=result.key,
-                case=f"{case}, to the state restored (before the first step)",
-                subject_name=OURS,
-                reference_name=TORCHRUN,
-                subject=ready[OURS],
-                reference=ready[TORCHRUN],
-                target=None,
-                note="no target: kill to the state restored, the first step left out",
-                paired=True,
-            )
-        )
         if cost_steps:
             runs = snapshot_cost(world, config, cost_steps, cost_every, samples)
             rate = {k: Stat([cost_steps / s for s in v], "steps/s") for k, v in runs.items()}
