@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 _RESTORED = "_fsdp_interactive_restored"
 
 
+def _calls(count: int) -> str:
+    return f"{count} call" if count == 1 else f"{count} calls"
+
+
 class RecoveryError(PoolError):
     """A recovery could not bring the ranks back; the message says which phase failed and
     why, and what state the pool is left in (a fresh group, or untouched)."""
@@ -77,7 +81,7 @@ class RecoveryPlan:
 
     def lines(self) -> list[str]:
         cells = ", ".join(e.label for e in self.replay) or "none"
-        lines = [f"recover to the {self.target}", f"replay {len(self.replay)} calls: {cells}"]
+        lines = [f"recover to the {self.target}", f"replay {_calls(len(self.replay))}: {cells}"]
         if self.dropped_hosts:
             lines.append(f"without hosts {', '.join(self.dropped_hosts)} (lost)")
         if self.world_size is not None:
@@ -117,7 +121,7 @@ class RecoveryReport:
         phases = ", ".join(f"{name} {secs:.2f} s" for name, secs in self.phases.items())
         lines = [
             self.summary(),
-            f"{self.world_size} ranks; replayed {len(self.replayed)} calls: {cells}",
+            f"{self.world_size} ranks; replayed {_calls(len(self.replayed))}: {cells}",
             f"phases: {phases}",
         ]
         lines += [f"refused: {reason}" for reason in self.refused]

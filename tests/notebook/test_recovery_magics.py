@@ -54,10 +54,10 @@ def test_a_notebook_snapshots_shows_its_journal_and_recovers_after_a_death(
 
     pool_shell.run_line_magic("fsdp", "recover --dry-run")
     out, _ = capsys.readouterr()
-    assert "recover to the snapshot" in out and "replay 1 calls" in out
+    assert "recover to the snapshot" in out and "replay 1 call:" in out
     pool_shell.run_line_magic("fsdp", "recover")
     out, _ = capsys.readouterr()
-    assert "recovered to the snapshot" in out and "replayed 1 calls" in out
+    assert "recovered to the snapshot" in out and "replayed 1 call:" in out
     assert weights(pool) == saved
     assert pool.run("int(step)", stream=False).results == {0: "2", 1: "2"}  # in place
 

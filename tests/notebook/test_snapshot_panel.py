@@ -59,7 +59,7 @@ def test_snapshot_now_plan_and_recover_after_a_death(fresh_pool):
     panel._recover_button.click()
     assert panel.error is None, panel.status
     assert panel.status.startswith("recovered to the snapshot") and "of step 7" in panel.status
-    assert "replayed 1 calls: In[1]" in panel._report.value
+    assert "replayed 1 call: In[1]" in panel._report.value
     assert weights(pool) == saved
     assert widget is panel.widget
 
