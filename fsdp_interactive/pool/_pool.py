@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fsdp_interactive.pool import _cell_imports
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
     PendingCall,
@@ -469,7 +470,11 @@ class Pool(DebuggingCalls):
             finish=lambda _: run_result(handles, time.monotonic() - started),
         )
         with self._faults.outcome(entry):
-            return pending.wait(timeout)
+            result = pending.wait(timeout)
+        if entry is not None and entry.replayable and _cell_imports.enabled():
+            # What a recovery will replay, its new engines then find imported already.
+            self._processes.forkers.warm(_cell_imports.import_specs(code))
+        return result
 
     def call(
         self,

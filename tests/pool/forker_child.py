@@ -1,7 +1,8 @@
 """What the engine forker runs in its tests: report what this process sees, then exit.
 
 ``python -m tests.pool.forker_child CODE`` prints one JSON line (pid, session, working
-directory, two environment variables, argv, whether torch is already imported, what stdin
+directory, two environment variables, argv, whether torch and the modules named in
+``$FORKER_TEST_MODULES`` are already imported, what stdin
 holds, a numpy random draw, signal dispositions, the nanny pipes it was given) and exits
 with status ``CODE``; ``sleep`` instead of a code waits to be killed.
 """
@@ -37,6 +38,11 @@ def main() -> int:
         "snapshot_root": os.environ.get("FSDPI_SNAPSHOT_ROOT"),
         "argv": sys.argv[1:],
         "torch_preloaded": "torch" in sys.modules,
+        "loaded": {
+            name: name in sys.modules
+            for name in os.environ.get("FORKER_TEST_MODULES", "").split(",")
+            if name
+        },
         "stdin": sys.stdin.read(),
         "draw": float(numpy.random.rand()),
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,

@@ -26,6 +26,11 @@ Protocol (one JSON object per line):
   ``{"token": T, "error": "..."}`` when the request is malformed or the fork failed;
 * request ``{"signal": S, "pid": P}``: send signal ``S`` to child ``P`` if it is one of
   this forker's children and has not been reaped (so the pid is still its own); no reply;
+* request ``{"warm": [SPEC, ...]}``: import these modules here too, so that children
+  forked afterwards find them loaded (:mod:`._warm_imports`: installed packages only,
+  tried first in a throwaway fork that must start no thread and leave CUDA alone); done
+  between requests. Answered, once done, by the event ``{"warmed": [...], "skipped":
+  {SPEC: reason}}`` (specs warmed before are left out of both);
 * event ``{"exited": P, "exit_code": C}`` (and ``"output"``, see above) when child ``P``
   ends (``C`` negative: killed by signal ``-C``), as ``subprocess`` reports it. A nanny's
   end is not reported: it ends after its engine, whose end is.
@@ -60,6 +65,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -67,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool.common import _snapshot_root
-from fsdp_interactive.pool.processes import _forked_nanny
+from fsdp_interactive.pool.processes import _forked_nanny, _warm_imports
 
 #: Modules imported once here so that no forked engine pays for them: torch, the engine,
 #: its nanny, and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
@@ -320,6 +326,7 @@ class _Child:
     pid: int
     report: bool  # its end is reported (an engine or plain child; not a nanny)
     output: str | None = None  # collected and removed when it ends
+    on_end: Callable[[int], None] | None = None  # called with its exit code once reaped
 
 
 class _Server:
@@ -336,6 +343,8 @@ class _Server:
         self.selector.register(self.wakeup_r, selectors.EVENT_READ, "wakeup")
         self.children: dict[int, _Child] = {}  # pidfd -> child
         self.owner_listens = True
+        self.warmed: set[str] = set()  # import specs imported here (see warm)
+        self.warming: set[str] = set()  # being probed
 
     def own_descriptors(self) -> list[int]:
         """Descriptors of the forker that no child may keep."""
@@ -370,6 +379,8 @@ class _Server:
         _, status = os.waitpid(child.pid, 0)
         self.selector.unregister(pidfd)
         os.close(pidfd)
+        if child.on_end is not None:
+            child.on_end(os.waitstatus_to_exitcode(status))
         if not child.report:
             return
         event: dict[str, Any] = {
@@ -397,6 +408,9 @@ class _Server:
             if isinstance(request, dict) and "signal" in request:
                 self.signal_child(request.get("pid"), request.get("signal"))
                 return
+            if isinstance(request, dict) and "warm" in request:
+                self.warm(request["warm"])
+                return
             token = request.get("token") if isinstance(request, dict) else None
             pid, nanny_pid = fork_request(request, self.own_descriptors(), self.snapshot_root)
         except (ValueError, OSError) as exc:
@@ -409,6 +423,38 @@ class _Server:
             self.watch(_Child(nanny_pid, report=False))
             reply["nanny_pid"] = nanny_pid
         self.send(reply)
+
+    def warm(self, specs: Any) -> None:
+        """Probe ``specs`` in a throwaway fork; :meth:`_probed` imports them here after."""
+        try:
+            fresh = [
+                s
+                for s in dict.fromkeys(_warm_imports.check_specs(specs))
+                if s not in self.warmed and s not in self.warming
+            ]
+        except ValueError as exc:
+            self.send({"warmed": [], "skipped": {}, "error": str(exc)})
+            return
+        if not fresh:
+            self.send({"warmed": [], "skipped": {}})
+            return
+        fd, report = tempfile.mkstemp(prefix="fsdpi-warm-", suffix=".json")
+        os.close(fd)
+        body = lambda: _warm_imports.run_probe(fresh, report)  # noqa: E731
+        pid = _fork(body, os.devnull, self.own_descriptors())
+        self.warming.update(fresh)
+        self.watch(_Child(pid, report=False, on_end=lambda code: self._probed(fresh, report, code)))
+
+    def _probed(self, specs: list[str], report: str, exit_code: int) -> None:
+        """The probe of ``specs`` ended: import what it found safe, and say what was done."""
+        self.warming.difference_update(specs)
+        if _ending:
+            done, skipped = [], dict.fromkeys(specs, "the forker is ending")
+        else:
+            done, skipped = _warm_imports.finish_probe(specs, report, exit_code)
+        self.warmed.update(done)
+        print(f"engine forker: warmed {done}; skipped {skipped}", file=sys.stderr, flush=True)
+        self.send({"warmed": done, "skipped": skipped})
 
     def serve(self) -> None:
         """Answer requests until the requests' channel closes or an ending signal comes;

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -42,6 +43,8 @@ from typing import Any
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
+
+log = logging.getLogger(__name__)
 
 _FORKER_MODULE = "fsdp_interactive.pool.processes._engine_forker"
 _STOP_WAIT_S = 5.0
@@ -107,6 +110,11 @@ class EngineForker:
         self._on_exit: dict[int, Callable[[int | None], None]] = {}
         self._exited: dict[int, int] = {}
         self._outputs: dict[int, str] = {}
+        #: Import specs the forker imported for later children (see :meth:`warm`), and
+        #: those it skipped, with the reason.
+        self.warmed: set[str] = set()
+        self.warm_skipped: dict[str, str] = {}
+        self._warm_settled = threading.Condition(self._lock)
         self._gone = False
         self._reader = threading.Thread(target=self._read, name="engine-forker-reader", daemon=True)
         self._reader.start()
@@ -168,6 +176,26 @@ class EngineForker:
         """Have the forker send ``sig`` to its child ``pid`` (ignored once that child was
         reaped, so a reused pid is never hit); no answer is awaited."""
         self._send(json.dumps({"signal": int(sig), "pid": int(pid)}))
+
+    def warm(self, specs: list[str]) -> None:
+        """Have the forker import ``specs`` (see :mod:`._warm_imports`) for the children it
+        forks later; no answer is awaited (:meth:`wait_warm` waits for it)."""
+        if specs:
+            self._send(json.dumps({"warm": list(specs)}))
+
+    def wait_warm(self, specs: list[str], timeout: float) -> bool:
+        """Wait until the forker warmed or skipped each of ``specs``; whether it did in
+        ``timeout`` seconds (``False`` at once once the forker is gone)."""
+        with self._warm_settled:
+            return (
+                self._warm_settled.wait_for(
+                    lambda: (
+                        self._gone or all(s in self.warmed or s in self.warm_skipped for s in specs)
+                    ),
+                    timeout,
+                )
+                and not self._gone
+            )
 
     def on_exit(self, pid: int, callback: Callable[[int | None], None]) -> None:
         """Call ``callback(exit_code)`` once child ``pid`` has ended (at once if it has).
@@ -232,6 +260,9 @@ class EngineForker:
                 self.ready_s = time.monotonic() - self.began
                 self.ready.set()
                 continue
+            if "warmed" in message:
+                self._warm_done(message)
+                continue
             if "exited" in message:
                 output = message.get("output")
                 self._child_exited(
@@ -255,12 +286,29 @@ class EngineForker:
             self._proc.wait(1.0)  # its status, for the messages
         with self._lock:
             self._gone = True
+            self._warm_settled.notify_all()
             pending, self._pending = self._pending, {}
             orphans, self._on_exit = self._on_exit, {}
         for loop, future in pending.values():
             loop.call_soon_threadsafe(_resolve, future, None, ForkerError(self._gone_message()))
         for callback in orphans.values():
             callback(None)
+
+    def _warm_done(self, message: dict[str, Any]) -> None:
+        warmed, skipped = message.get("warmed"), message.get("skipped")
+        with self._warm_settled:
+            self.warmed.update(s for s in warmed or () if isinstance(s, str))
+            if isinstance(skipped, dict):
+                self.warm_skipped.update({str(k): str(v) for k, v in skipped.items()})
+            self._warm_settled.notify_all()
+        if warmed or skipped or message.get("error"):
+            log.info(
+                "engine forker %s warmed %s; skipped %s %s",
+                self.where or "on this host",
+                warmed,
+                skipped,
+                message.get("error") or "",
+            )
 
     def _child_exited(self, pid: int, code: int, output: str | None) -> None:
         with self._lock:

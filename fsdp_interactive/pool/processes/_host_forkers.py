@@ -80,6 +80,17 @@ class HostForkers:
         )
         return forker
 
+    def warm(self, specs: list[str]) -> None:
+        """Have every running forker import ``specs`` for the engines it forks later
+        (:meth:`EngineForker.warm`); returns at once."""
+        for forker in self._forkers.values():
+            if forker.running():
+                forker.warm(specs)
+
+    def forkers(self) -> list[EngineForker]:
+        """The forkers started so far (running or not)."""
+        return list(self._forkers.values())
+
     def describe(self) -> str:
         """One line: each forker, its pid and how long its imports took."""
         return ", ".join(

@@ -349,6 +349,11 @@ class LaunchedProcesses:
         except ValueError as exc:
             raise PoolStartError(str(exc)) from None
 
+    @property
+    def forkers(self) -> HostForkers:
+        """The engine forkers, one per host, kept from one group to the next."""
+        return self._forkers
+
     def _log_dir(self) -> str:
         log_dir = os.path.join(self.cluster.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
