@@ -345,6 +345,7 @@ class _Server:
         self.owner_listens = True
         self.warmed: set[str] = set()  # import specs imported here (see warm)
         self.warming: set[str] = set()  # being probed
+        self.refused: dict[str, str] = {}  # never to be tried again, with the reason
 
     def own_descriptors(self) -> list[int]:
         """Descriptors of the forker that no child may keep."""
@@ -427,16 +428,17 @@ class _Server:
     def warm(self, specs: Any) -> None:
         """Probe ``specs`` in a throwaway fork; :meth:`_probed` imports them here after."""
         try:
-            fresh = [
-                s
-                for s in dict.fromkeys(_warm_imports.check_specs(specs))
-                if s not in self.warmed and s not in self.warming
-            ]
+            asked = list(dict.fromkeys(_warm_imports.check_specs(specs)))
         except ValueError as exc:
             self.send({"warmed": [], "skipped": {}, "error": str(exc)})
             return
+        fresh = [
+            s for s in asked if not (s in self.warmed or s in self.warming or s in self.refused)
+        ]
         if not fresh:
-            self.send({"warmed": [], "skipped": {}})
+            self.send(
+                {"warmed": [], "skipped": {s: self.refused[s] for s in asked if s in self.refused}}
+            )
             return
         fd, report = tempfile.mkstemp(prefix="fsdpi-warm-", suffix=".json")
         os.close(fd)
@@ -448,13 +450,18 @@ class _Server:
     def _probed(self, specs: list[str], report: str, exit_code: int) -> None:
         """The probe of ``specs`` ended: import what it found safe, and say what was done."""
         self.warming.difference_update(specs)
+        settled = _warm_imports.settle(specs, report, exit_code)
         if _ending:
-            done, skipped = [], dict.fromkeys(specs, "the forker is ending")
-        else:
-            done, skipped = _warm_imports.finish_probe(specs, report, exit_code)
+            self.send({"warmed": [], "skipped": dict.fromkeys(specs, "the forker is ending")})
+            return
+        done, failed = _warm_imports.import_here(settled.to_import)
+        skipped = {**settled.skipped, **failed}
         self.warmed.update(done)
+        self.refused.update(skipped)
         print(f"engine forker: warmed {done}; skipped {skipped}", file=sys.stderr, flush=True)
         self.send({"warmed": done, "skipped": skipped})
+        for spec in settled.alone:
+            self.warm([spec])
 
     def serve(self) -> None:
         """Answer requests until the requests' channel closes or an ending signal comes;

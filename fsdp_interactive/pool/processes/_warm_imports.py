@@ -19,8 +19,9 @@ What may be imported into a forker, whose children must stay safe to fork:
   would hand it to every engine started after the user edited the file (a restart is how
   users pick up their edits);
 * only imports that start no thread and leave CUDA uninitialized, which a throwaway fork
-  (the *probe*) tries first; the forker imports the specs the probe found safe, or none
-  when the probe saw a thread started or CUDA initialized.
+  (the *probe*) tries first; the forker imports the specs the probe found safe. When the
+  probe of several specs saw a thread started or CUDA initialized, each of them is probed
+  alone, so that the others are still imported; a spec refused once is not tried again.
 
 A package upgraded on disk after it was warmed reaches engines after the pool is stopped
 and started again (the forkers start afresh then), as in any long-lived Python process.
@@ -37,6 +38,7 @@ import os
 import site
 import sys
 import sysconfig
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,19 +148,29 @@ def run_probe(specs: list[str], report_path: str) -> int:
     return 0
 
 
-def finish_probe(
-    specs: list[str], report_path: str, exit_code: int
-) -> tuple[list[str], dict[str, str]]:
-    """In the forker, once the probe of ``specs`` ended with ``exit_code``: import what it
-    found safe; the specs imported, and the reason each other one was skipped."""
+@dataclass(frozen=True)
+class Settled:
+    """What the forker does once a probe ended: import ``to_import``, report ``skipped``
+    (spec -> reason), and probe each of ``alone`` by itself, to find which of them made
+    the probe of them together unsafe."""
+
+    to_import: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    alone: list[str] = field(default_factory=list)
+
+
+def settle(specs: list[str], report_path: str, exit_code: int) -> Settled:
+    """In the forker, once the probe of ``specs`` ended with ``exit_code``: what to do."""
     result = read_probe(report_path)
     if result is None or exit_code != 0:
-        return [], dict.fromkeys(specs, f"the import probe ended with status {exit_code}")
-    skipped = dict(result.get("failed", {}))
-    if result.get("unsafe"):
-        return [], {**skipped, **dict.fromkeys(result.get("ok", []), result["unsafe"])}
-    done, failed = import_here(list(result.get("ok", [])))
-    return done, {**skipped, **failed}
+        return Settled(skipped=dict.fromkeys(specs, f"the import probe ended with {exit_code}"))
+    skipped = {str(k): str(v) for k, v in dict(result.get("failed", {})).items()}
+    ok = [s for s in result.get("ok", []) if s in specs]
+    if not result.get("unsafe"):
+        return Settled(to_import=ok, skipped=skipped)
+    if len(ok) > 1:
+        return Settled(skipped=skipped, alone=ok)
+    return Settled(skipped={**skipped, **dict.fromkeys(ok, str(result["unsafe"]))})
 
 
 def read_probe(report_path: str) -> dict[str, Any] | None:
