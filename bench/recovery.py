@@ -56,7 +56,7 @@ from typing import Any
 from bench.formatting import fmt_ratio, fmt_stat, verdict
 from bench.run_info import now_and_load
 from bench.runner import Comparison, FigureResult, Settings, Stat, Target, rotated
-from bench.torchrun import stop_session
+from bench.torchrun import launch, stop_session
 
 RECOVERY_SCRIPT = Path(__file__).resolve().parent / "scripts" / "recovery_rank.py"
 
@@ -227,31 +227,16 @@ def torchrun_sample(
 ) -> dict[str, float]:
     """One torchrun restart of ``bench/scripts/recovery_rank.py``: seconds from rank 1's
     self-kill to rank 0's first step after the relaunch (both printed as unix times)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "--max-restarts=1",
-        str(RECOVERY_SCRIPT),
-    ]
-    # The same one intra-op thread per rank as the pool's ranks (and the other figures).
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        BENCH_CHECKPOINT_DIR=folder,
-        BENCH_GPT2_CONFIG=json.dumps(dict(config)),
-    )
     with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
+        proc = launch(
+            world,
+            RECOVERY_SCRIPT,
             stderr=errors,
-            text=True,
-            env=env,
-            start_new_session=True,
+            torchrun_args=("--max-restarts=1",),
+            extra_env={
+                "BENCH_CHECKPOINT_DIR": folder,
+                "BENCH_GPT2_CONFIG": json.dumps(dict(config)),
+            },
         )
         try:
             stdout, _ = proc.communicate(timeout=timeout)

@@ -42,9 +42,18 @@ class Relaunch:
     total_s: float
 
 
-def _launch(
-    world_size: int, script: Path, stderr: Any = subprocess.PIPE, backend: str = "gloo"
+def launch(
+    world_size: int,
+    script: Path,
+    stderr: Any = subprocess.PIPE,
+    backend: str = "gloo",
+    *,
+    torchrun_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
+    """``torchrun --standalone --nproc-per-node=world_size [torchrun_args] script`` in its
+    own session, one intra-op thread per rank, stdout piped (text); ``extra_env`` is added
+    to this process's environment."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     cmd = [
@@ -53,10 +62,17 @@ def _launch(
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={world_size}",
+        *torchrun_args,
         str(script),
     ]
     # The scripts read the backend from BENCH_BACKEND (nccl: one CUDA device per rank).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_BACKEND=backend)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        BENCH_BACKEND=backend,
+        **(extra_env or {}),
+    )
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -73,7 +89,7 @@ def relaunch(
     """Launch ``script`` on ``world_size`` local ranks with torchrun and time it."""
     start_wall = time.time()
     start = time.perf_counter()
-    proc = _launch(world_size, script, backend=backend)
+    proc = launch(world_size, script, backend=backend)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,7 +111,7 @@ def death_latency(world_size: int, timeout: float = 120.0) -> float:
     """Seconds from SIGKILL of the last rank to the torchrun launcher's exit."""
     # The launcher's report goes to a file: no thread needs to drain it.
     with tempfile.TemporaryFile("w+") as errors:
-        proc = _launch(world_size, WAIT_SCRIPT, stderr=errors)
+        proc = launch(world_size, WAIT_SCRIPT, stderr=errors)
         lines: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:
