@@ -8,7 +8,9 @@ minus nested units built before it and ignored modules):
    rank;
 3. with ``MixedPrecision.buffer_dtype``, floating-point buffers are cast to it;
 4. ``fully_shard`` shards the parameters over the unit's mesh;
-5. the unit's state is attached and the state-dict hooks installed.
+5. if the unit's module has a ``forward``, it is made to gather the units without one below
+   it (see :mod:`._forwardless`);
+6. the unit's state is attached and the state-dict hooks installed.
 
 Nothing here is undone on failure: the constructor snapshots the tree first.
 """
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecision, fully_shard
 from fsdp_interactive._torch_compat import buffer_slots
 from fsdp_interactive.fsdp import _init, _state_dict_utils
 from fsdp_interactive.fsdp._config import UnitConfig
+from fsdp_interactive.fsdp._forwardless import gather_forwardless_units
 from fsdp_interactive.fsdp._traversal import owned_modules
 from fsdp_interactive.fsdp._unit_state import IgnoredStates, UnitState, attach_state
 
@@ -52,6 +55,7 @@ def setup_unit(
     )
     if materialized:
         _init.release_freed_memory()  # the unit's full tensors, now sharded
+    gather_forwardless_units(module)
     if config.args.backward_prefetch is None:
         # An explicit list disables fully_shard's implicit next-unit prefetch; prefetching
         # the unit itself is a no-op (it is already unsharded when its backward starts).

@@ -20,8 +20,9 @@ Torch's default hooks (``torch.distributed.algorithms._comm_hooks.default_hooks`
 follow these signatures. The two compression hooks call ``Tensor.record_stream``, which CPU
 tensors do not support (so they fail on CPU under torch's FSDP1 too); on a CPU compute device
 they are replaced by :func:`low_precision_hook`, which does the same casts and reductions
-without stream bookkeeping. As in FSDP1: root only, one registration per model, hybrid
-strategies are not supported.
+without stream bookkeeping. As in FSDP1 (the same error types and words): root only, one
+registration per model, hybrid strategies are not supported (``AssertionError`` each), the
+hook must be callable (``ValueError``).
 """
 
 from __future__ import annotations
@@ -124,18 +125,18 @@ def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., None]
     """Install ``hook`` on every unit of the unit ``root`` (see the module docstring)."""
     root_state = require_state(root)
     if not root_state.is_root:
-        raise RuntimeError("register_comm_hook can only be called on the root FSDP unit")
-    if not callable(hook):
-        raise ValueError(f"hook must be callable, got {type(hook).__name__}")
+        raise AssertionError("register_comm_hook can only be called on a root instance.")
     all_units = unit_states(root)
     for unit in all_units:
         if unit.config.sharding_strategy in HYBRID_STRATEGIES:
-            raise NotImplementedError(
-                f"communication hooks are not supported for hybrid strategies "
-                f"({unit.config.sharding_strategy.name}), as in FSDP1"
+            raise AssertionError(
+                "Communication hook is not supported for hybrid strategies: "
+                f"{unit.config.sharding_strategy}"
             )
         if unit.comm_hook is not None:
-            raise RuntimeError("a communication hook is already registered on this model")
+            raise AssertionError("A communication hook is already registered")
+    if not callable(hook):
+        raise ValueError(f"The communication hook must be callable but got {hook}")
     check_idle(root, "register_comm_hook()")
     user_hook = hook
     hook = _for_device(hook, root_state.config.device)

@@ -154,7 +154,7 @@ def resolve_config(
     """
     if (
         base is not None
-        and args.sharding_strategy == base.layout.strategy
+        and args.sharding_strategy == base.args.sharding_strategy
         and args.process_group is base.args.process_group
         and args.device_mesh is base.args.device_mesh
     ):

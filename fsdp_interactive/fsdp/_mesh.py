@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -189,13 +190,55 @@ def _checked_hybrid_shape(strategy: ShardingStrategy) -> tuple[int, int]:
     return world // local, local
 
 
+def _ranks_sharded_over(
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+) -> int:
+    """How many ranks the unit's mesh spans (no communication)."""
+    if device_mesh is not None:
+        return device_mesh.size()
+    if isinstance(process_group, tuple):
+        return dist.get_world_size(process_group[0]) * dist.get_world_size(process_group[1])
+    return dist.get_world_size(process_group)
+
+
 def resolve_layout(
     strategy: ShardingStrategy,
     device_type: str,
     process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
     device_mesh: DeviceMesh | None,
 ) -> ShardingLayout:
-    """Build the mesh for ``strategy`` (arguments already type-checked)."""
+    """Build the mesh for ``strategy`` (arguments already type-checked).
+
+    Over a single rank every strategy becomes ``NO_SHARD``, with FSDP1's ``UserWarning``
+    (they do the same there). FSDP1 also switches a hybrid strategy whose shard group has
+    one rank while several replicas exist, and then never reduces across the replicas;
+    here such a mesh stays hybrid (each rank holds whole parameters, gradients are averaged
+    over the replicas).
+    """
+    if (
+        strategy != ShardingStrategy.NO_SHARD
+        and _ranks_sharded_over(process_group, device_mesh) == 1
+    ):
+        warnings.warn(
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+            UserWarning,
+            stacklevel=4,
+        )
+        if strategy in HYBRID_STRATEGIES:
+            # A (1, 1) (replicate, shard) mesh: the layout NO_SHARD has over one rank.
+            hybrid = _resolve_layout(strategy, device_type, process_group, device_mesh)
+            return ShardingLayout(ShardingStrategy.NO_SHARD, hybrid.mesh, True)
+        strategy = ShardingStrategy.NO_SHARD
+    return _resolve_layout(strategy, device_type, process_group, device_mesh)
+
+
+def _resolve_layout(
+    strategy: ShardingStrategy,
+    device_type: str,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+) -> ShardingLayout:
     reshard = strategy in (
         ShardingStrategy.FULL_SHARD,
         ShardingStrategy.HYBRID_SHARD,

@@ -328,7 +328,8 @@ def _convert_on_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) 
     if hooks_suspended():
         return
     kind = settings_of(module).state_dict_type
-    for name, param in nn.Module.named_parameters(module):
+    # Every name of a shared parameter (tied embeddings) has its own key to convert.
+    for name, param in nn.Module.named_parameters(module, remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
         if not isinstance(param, DTensor) or value is None or isinstance(value, DTensor):

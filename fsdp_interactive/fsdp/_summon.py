@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import local_shape_and_offset, local_tensor, parameter_slots
 from fsdp_interactive.fsdp import _comm_device
-from fsdp_interactive.fsdp._traversal import check_idle, owned_modules, units
+from fsdp_interactive.fsdp._traversal import busy_state, owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
 
 
@@ -56,9 +56,9 @@ def summon_full_params(
     ``FullyShardedDataParallel.summon_full_params``. ``recurse=False`` only gathers
     ``module``'s own unit. See the module docstring for what each flag does. Raises
     ``NotImplementedError`` (a ``RuntimeError``) for ``rank0_only=True`` with
-    ``writeback=True`` and for ``with_grads=True`` with ``offload_to_cpu=True`` (as FSDP1),
-    ``RuntimeError`` when called during forward, backward or another ``summon_full_params``
-    of the same units.
+    ``writeback=True`` and for ``with_grads=True`` with ``offload_to_cpu=True``,
+    ``AssertionError`` when called during forward, backward or another
+    ``summon_full_params`` of the same units (FSDP1's types and words).
     """
     for name, value in (
         ("recurse", recurse),
@@ -83,7 +83,7 @@ def summon_full_params(
     own_unit = [module] if is_unit(module) else []
     targets = units(module) if recurse else own_unit
     for unit in targets:
-        check_idle(unit, "summon_full_params()")
+        _check_unsharded_manually_allowed(unit)
     states = [state for unit in targets if (state := unit_state(unit)) is not None]
     for state in states:
         state.sharded_module.reshard()
@@ -108,6 +108,19 @@ def summon_full_params(
     finally:
         for state in states:
             state.summoning = False
+
+
+def _check_unsharded_manually_allowed(unit: nn.Module) -> None:
+    """``AssertionError`` with FSDP1's words (its tests match them) when ``unit`` is in a
+    forward, a backward or another ``summon_full_params``."""
+    busy = busy_state(unit)
+    if busy == "FORWARD_BACKWARD":
+        raise AssertionError("Cannot manually unshard parameters during forward/backward")
+    if busy == "SUMMON_FULL_PARAMS":
+        raise AssertionError(
+            "Cannot manually unshard parameters when already unsharding parameters "
+            "(summon_full_params() inside summon_full_params() of the same units)"
+        )
 
 
 @dataclass

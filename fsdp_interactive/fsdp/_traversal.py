@@ -63,16 +63,26 @@ def owned_modules(unit_root: nn.Module, ignored_modules: frozenset[nn.Module]) -
     return owned
 
 
-def check_idle(module: nn.Module, what: str) -> None:
-    """``RuntimeError`` naming ``what`` unless every unit in ``module`` is idle: not in a
-    forward, a backward or ``summon_full_params``."""
+def busy_state(module: nn.Module) -> str | None:
+    """``None`` when every unit in ``module`` is idle; else the name FSDP1's
+    ``TrainingState`` gives what one is doing: ``"SUMMON_FULL_PARAMS"`` inside
+    ``summon_full_params``, ``"FORWARD_BACKWARD"`` in a forward or a backward."""
     for state in unit_states(module):
-        if state.forward_depth or state.summoning:
-            doing = "summon_full_params()" if state.summoning else "forward()"
-            raise RuntimeError(f"{what} cannot be called during {doing}")
-        training = training_state_name(state.sharded_module)
-        if training != "IDLE":
-            raise RuntimeError(
-                f"{what} cannot be called during forward or backward "
-                f"(a unit is in state {training})"
-            )
+        if state.summoning:
+            return "SUMMON_FULL_PARAMS"
+        if state.forward_depth or training_state_name(state.sharded_module) != "IDLE":
+            return "FORWARD_BACKWARD"
+    return None
+
+
+def check_idle(module: nn.Module, what: str) -> None:
+    """``ValueError`` unless every unit in ``module`` is idle: not in a forward, a backward
+    or ``summon_full_params``. The type and the first words are FSDP1's
+    (``_assert_state``: "expected to be in states [...] but current state is ...")."""
+    busy = busy_state(module)
+    if busy is not None:
+        raise ValueError(
+            "expected to be in states [<TrainingState.IDLE: 1>] but current state is "
+            f"TrainingState.{busy}: {what} cannot be called during "
+            f"{'summon_full_params()' if busy == 'SUMMON_FULL_PARAMS' else 'forward or backward'}"
+        )

@@ -1,7 +1,10 @@
 """Constructor argument checks, run before anything is modified.
 
 Every check raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value, conflicting
-arguments, objects outside the wrapped tree) with the argument's name in the message. They
+arguments, objects outside the wrapped tree; as in FSDP1 also ``ignored_modules`` holding
+something else than modules and ``ignored_states`` mixing parameters and modules) with the
+argument's name in the message. FSDP1 itself checks few types: a mistyped argument there
+fails later, by accident (``AttributeError``, ``KeyError``), or is taken as it is. They
 run before the module is touched, so a rejected call leaves the module exactly as it was.
 """
 
@@ -90,10 +93,11 @@ def check_types(
             f"param_init_fn must be a callable (module) -> None, got {_type_name(param_init_fn)}"
         )
     if device_id is not None and (
-        isinstance(device_id, bool) or not isinstance(device_id, int | torch.device)
+        isinstance(device_id, bool) or not isinstance(device_id, int | str | torch.device)
     ):
         raise TypeError(
-            f"device_id must be an int, a torch.device or None, got {_type_name(device_id)}"
+            "device_id must be an int, a torch.device, a device string such as 'cpu' or "
+            f"'cuda:0', or None; got {_type_name(device_id)}"
         )
     if isinstance(device_id, int) and device_id < 0:
         raise ValueError(f"device_id must be a non-negative device index, got {device_id}")
@@ -110,6 +114,19 @@ def check_types(
                     f"mixed_precision.{field} must be a floating-point torch.dtype or None, "
                     f"got {dtype!r}"
                 )
+
+
+def device_id_as_device(device_id: int | str | torch.device | None) -> int | torch.device | None:
+    """``device_id`` with a device string turned into a ``torch.device`` (FSDP1 passes any
+    ``device_id`` that is not a ``torch.device`` to ``torch.device()``); ints and devices
+    are returned as they are. A string that names no device raises ``RuntimeError``, the
+    error ``torch.device()`` itself raises, with the argument named."""
+    if not isinstance(device_id, str):
+        return device_id
+    try:
+        return torch.device(device_id)
+    except RuntimeError as err:
+        raise RuntimeError(f"device_id={device_id!r} is not a device: {err}") from None
 
 
 def _as_list(name: str, value: Any) -> list[Any]:
@@ -145,7 +162,7 @@ def resolve_ignored(
         items = _as_list("ignored_modules", ignored_modules)
         for item in items:
             if not isinstance(item, nn.Module):
-                raise TypeError(
+                raise ValueError(
                     f"ignored_modules must contain only nn.Module objects, got {_type_name(item)}"
                 )
         mods = items
@@ -158,7 +175,7 @@ def resolve_ignored(
             mods = items
         else:
             kinds = sorted({_type_name(i) for i in items})
-            raise TypeError(
+            raise ValueError(
                 "ignored_states must contain only nn.Parameter objects or only nn.Module "
                 f"objects, got a mix of {kinds}"
             )

@@ -12,13 +12,15 @@ FSDP1:
 Selection is a pure pass over the unmodified tree; wrapping then happens in post-order
 (children before parents), each selected submodule being replaced in its parent by a
 ``FullyShardedDataParallel`` unit. The root is never selected here: the constructor wraps it
-last. Ignored modules (and everything under them) and modules that already are FSDP units are
-skipped; a module reachable from two parents is wrapped once, at its first position.
+last. Ignored modules (and everything under them) are skipped; a module reachable from two
+parents is wrapped once, at its first position. A tree that already holds FSDP units (or
+``fully_shard`` modules) is refused with FSDP1's ``ValueError``, before anything changes.
 
-Containers without a ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) are never made units,
-even when a policy selects them (``always_wrap_policy`` does): ``fully_shard`` cannot hook a
-module that is never called, and an FSDP1 unit around one cannot be iterated either. Their
-parameters stay with the enclosing unit; their children are still considered.
+A selected module without a ``forward`` is made a unit as in FSDP1; the forward of the unit
+above it gathers its parameters (:mod:`._forwardless`). ``nn.ModuleList`` and
+``nn.ModuleDict`` without a ``forward`` (``always_wrap_policy`` selects them) are the
+exception: ``fully_shard`` refuses them, so they stay inside the unit above them
+(:func:`._forwardless.can_be_unit`); their children are still considered.
 
 Under ``mixed_precision``, modules of ``MixedPrecision._module_classes_to_ignore`` (batch norm
 by default) become their own units without mixed precision, with torch's own hooks casting
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.api import MixedPrecision
 
 from fsdp_interactive._torch_compat import (
@@ -46,6 +49,7 @@ from fsdp_interactive._torch_compat import (
     warn_on_overridden_mixed_precision,
     wrap_module_cls_individually,
 )
+from fsdp_interactive.fsdp._forwardless import can_be_unit
 from fsdp_interactive.fsdp._unit_state import is_unit
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ def select_units(
     With ``mixed_precision``, also registers torch's float32 cast hooks on the modules of
     ``mixed_precision._module_classes_to_ignore`` (undone by the caller's rollback on failure).
     """
+    check_not_wrapped(root)
     no_mp_classes = (
         module_classes_without_mixed_precision(mixed_precision) if mixed_precision else ()
     )
@@ -79,10 +84,7 @@ def select_units(
         return {
             module: {**root_kwargs, **kwargs}
             for module, kwargs in chosen.items()
-            if module is not root
-            and module not in ignored_modules
-            and not is_unit(module)
-            and has_forward(module)
+            if module is not root and module not in ignored_modules and can_be_unit(module)
         }
     if no_mp_classes:
         policy = functools.partial(
@@ -94,28 +96,26 @@ def select_units(
         )
         warn_on_overridden_mixed_precision(override_module_mixed_precision(root, no_mp_classes))
     chosen_modules: list[nn.Module] = []
-    in_existing_units = {p for m in root.modules() if is_unit(m) for p in m.parameters()}
-    _select_recursively(
-        root,
-        policy,
-        ignored_modules,
-        ignored_params | in_existing_units,
-        chosen_modules,
-        is_root=True,
-    )
+    _select_recursively(root, policy, ignored_modules, ignored_params, chosen_modules, is_root=True)
     return {
         module: {
             **root_kwargs,
             **({"mixed_precision": None} if isinstance(module, no_mp_classes) else {}),
         }
         for module in chosen_modules
-        if has_forward(module)
+        if can_be_unit(module)
     }
 
 
-def has_forward(module: nn.Module) -> bool:
-    """Whether ``module`` implements ``forward`` (containers like ``nn.ModuleList`` do not)."""
-    return type(module).forward is not nn.Module.forward
+def check_not_wrapped(root: nn.Module) -> None:
+    """``ValueError`` (FSDP1's words) if ``root`` or a module in it already is an FSDP unit
+    or a ``fully_shard`` module: an auto-wrap policy would choose units across them."""
+    for name, module in root.named_modules():
+        if is_unit(module) or isinstance(module, FSDPModule):
+            raise ValueError(
+                "FSDP auto wrapping requires modules to not already have FSDP applied but "
+                f"found {name} in\n{root}"
+            )
 
 
 def _select_recursively(
@@ -135,7 +135,7 @@ def _select_recursively(
         return 0
     wrapped_numel = 0
     for child in module.children():
-        if child in ignored_modules or is_unit(child):
+        if child in ignored_modules:
             continue
         wrapped_numel += _select_recursively(
             child, policy, ignored_modules, excluded_params, chosen

@@ -26,7 +26,8 @@ What differs from torch's FSDP1 (and why):
   an explicit CPU ``device_id``). See :func:`._init.resolve_device`.
 * ``FULL_SHARD``/``HYBRID_SHARD`` units free parameters after forward except the root, which
   keeps them for backward, as FSDP1 does (``reshard_after_forward=None`` in ``fully_shard``).
-  Forward-less containers (``nn.ModuleList``/``ModuleDict``) never become units.
+  A unit around a module without ``forward`` (``nn.ModuleList``) has its parameters gathered
+  by the forward of the unit above it (:mod:`._forwardless`); FSDP1 cannot compute with them.
 * ``limit_all_gathers=False``, ``BACKWARD_POST`` and ``keep_low_precision_grads`` warn once
   and run as described in :mod:`._config`.
 
@@ -82,7 +83,7 @@ from fsdp_interactive.fsdp._forward import unit_forward
 from fsdp_interactive.fsdp._rollback import TreeSnapshot
 from fsdp_interactive.fsdp._traversal import check_idle, root_units, unit_states, units
 from fsdp_interactive.fsdp._unit_state import IgnoredStates, UnitState, require_state
-from fsdp_interactive.fsdp._validation import check_types, resolve_ignored
+from fsdp_interactive.fsdp._validation import check_types, device_id_as_device, resolve_ignored
 from fsdp_interactive.fsdp._wrapping import select_units, wrap_bottom_up
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -122,7 +123,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        device_id: int | torch.device | None = None,
+        device_id: int | str | torch.device | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
@@ -149,6 +150,7 @@ class FullyShardedDataParallel(nn.Module):
             },
             device_mesh=device_mesh,
         )
+        device_id = device_id_as_device(device_id)
         if isinstance(module, FSDPModule):
             raise ValueError(
                 "module already has fully_shard applied; pass the plain module instead"
@@ -278,8 +280,10 @@ class FullyShardedDataParallel(nn.Module):
         return self._state.config.sharding_strategy
 
     @property
-    def mixed_precision(self) -> MixedPrecision | None:
-        return self._state.config.mixed_precision
+    def mixed_precision(self) -> MixedPrecision:
+        """The unit's ``MixedPrecision`` (``MixedPrecision()``, all full precision, when none
+        was passed, as in FSDP1)."""
+        return self._state.config.mixed_precision or MixedPrecision()
 
     @property
     def cpu_offload(self) -> CPUOffload:
@@ -363,7 +367,8 @@ class FullyShardedDataParallel(nn.Module):
         """
         if not self.check_is_root():
             raise RuntimeError(
-                "no_sync() on inner FSDP units is not supported: call it on the root unit"
+                "`no_sync()` on inner FSDP instances is not supported. Please call "
+                "`no_sync()` on root FSDP module."
             )
         check_idle(self, "no_sync()")
         inner = self.fsdp_module
@@ -379,7 +384,9 @@ class FullyShardedDataParallel(nn.Module):
         Root only. See :mod:`._clip_grad`.
         """
         if not self.check_is_root():
-            raise RuntimeError("clip_grad_norm_() should only be called on the root FSDP unit")
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance"
+            )
         check_idle(self, "clip_grad_norm_()")
         return clip_grad_norm(self, max_norm, norm_type)
 
