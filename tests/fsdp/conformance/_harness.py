@@ -48,11 +48,21 @@ FSDP1_DEPRECATIONS = {
     "The `NO_SHARD` sharding strategy is deprecated": "NO_SHARD is supported here",
     # state_dict_type / set_state_dict_type point to DCP's get/set_state_dict; here they
     # are the supported way to choose a state-dict format.
-    "is being deprecated. Please use APIs, get_state_dict() and set_state_dict()": (
+    "FSDP.set_state_dict_type() are being deprecated": (
         "FSDP1's state-dict types are supported here"
     ),
 }
-IGNORED_WARNINGS = {**ENGINE_WARNINGS, **FSDP1_DEPRECATIONS}
+# Warnings torch's FSDP1 raises about its own internals, which this package does not use.
+FSDP1_INTERNALS = {
+    # FSDP1's sharded state dicts hold ShardedTensor, which torch deprecates for DTensor;
+    # this package's hold DTensor.
+    "we are deprecating ShardedTensor": "sharded values are DTensors here",
+    # FSDP1's ShardedTensor values call a deprecated helper of torch's c10d, which also
+    # warns that it guesses the group's device.
+    "`_get_pg_default_device` will be deprecated": "a helper only ShardedTensor uses",
+    "Multiple backends are registered with this ProcessGroup": "the same helper's guess",
+}
+IGNORED_WARNINGS = {**ENGINE_WARNINGS, **FSDP1_DEPRECATIONS, **FSDP1_INTERNALS}
 
 
 @dataclass(frozen=True)
