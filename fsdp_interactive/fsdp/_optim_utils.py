@@ -164,7 +164,17 @@ def _sharded_optimizer_state(
 def _to_param_value(value: Any, param: nn.Parameter) -> Any:
     """``value`` in ``param``'s layout, where it is a tensor of ``param``'s shape: this
     rank's piece as a DTensor on the parameter's device, never a view of a full tensor
-    (which can then be freed). Other values come back as they are."""
+    (which can then be freed). Other values come back as they are, tensors among them
+    copied: the result never shares memory with ``value``, which may be another
+    optimizer's live state (an optimizer's ``load_state_dict`` keeps the tensors it is
+    given, and steps update them in place)."""
+    converted = _in_param_layout(value, param)
+    if isinstance(converted, torch.Tensor) and _shares_memory(converted, value):
+        return converted.detach().clone()
+    return converted
+
+
+def _in_param_layout(value: Any, param: nn.Parameter) -> Any:
     if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor):
         return value
     if is_sharded_tensor(value):
@@ -178,6 +188,22 @@ def _to_param_value(value: Any, param: nn.Parameter) -> Any:
     if tuple(value.shape) != tuple(param.shape):
         return value  # e.g. Adam's scalar ``step``
     return piece_as_dtensor_like(value, param)
+
+
+def _storages(value: Any) -> set[int]:
+    """Data pointers of the memory ``value`` holds on this rank (tensor, DTensor shard,
+    ShardedTensor shards)."""
+    if is_sharded_tensor(value):
+        tensors = [shard.tensor for shard in value.local_shards()]
+    elif isinstance(value, torch.Tensor):
+        tensors = [local_tensor(value)]
+    else:
+        return set()
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel() > 0}
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    return bool(_storages(a) & _storages(b))
 
 
 def _from_rank0(model: nn.Module, osd: Any) -> Any:
