@@ -11,8 +11,10 @@ registered again, so the optimizer's parameter objects never change.
 * ``rank0_only=True``: only rank 0 registers full parameters; other ranks take part in the
   gathers and keep their sharded parameters registered.
 * ``offload_to_cpu=True``: the full parameters are placed on CPU, each moved there right
-  after its gather (one full parameter on the device at a time). Without it they are on
-  the mesh's communication device, also for ``CPUOffload(offload_params=True)`` shards.
+  after its gather (one full parameter on the device at a time); without ``rank0_only`` it
+  warns, as FSDP1 does, that every rank's full copy in host memory risks running out of
+  it. Without ``offload_to_cpu`` they are on the mesh's communication device, also for
+  ``CPUOffload(offload_params=True)`` shards.
 * ``with_grads=True``: each full parameter also gets the full gradient (all-gathered from the
   sharded gradient; zeros on ranks that hold none while others do). Gradient edits are not
   written back.
@@ -28,6 +30,7 @@ unit's parameters unsharded), so the registered parameters are the sharded ones 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +82,14 @@ def summon_full_params(
     if with_grads and offload_to_cpu:
         raise NotImplementedError(
             "summon_full_params: with_grads=True and offload_to_cpu=True is not supported"
+        )
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the unsharded "
+            "parameters being redundantly copied to CPU memory for GPUs sharing the same "
+            "CPU memory, which risks CPU OOM. We recommend using offload_to_cpu=True with "
+            "rank0_only=True.",
+            stacklevel=3,
         )
     own_unit = [module] if is_unit(module) else []
     targets = units(module) if recurse else own_unit

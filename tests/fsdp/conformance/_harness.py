@@ -281,6 +281,23 @@ def assert_conforms(
         assert_same(theirs.value, ours.value)
 
 
+def assert_reduced_alike(
+    outcomes: dict[str, Outcome], world: int, *, low_precision: bool = False
+) -> None:
+    """:func:`assert_conforms` for values computed from reduced gradients: bit for bit on 2
+    ranks, where every reduced element is the sum of two numbers (the same in either
+    order). On more ranks a reduce-scatter adds an element's contributions in an order that
+    depends on where the element sits in the reduced buffer (FSDP1: one flat buffer per
+    unit; here per-parameter dim-0 chunks), so values agree to rounding: of float32, or of
+    the reduced dtype under mixed precision (``low_precision``)."""
+    if world == 2:
+        assert_conforms(outcomes)
+        return
+    assert_conforms(outcomes, values=False)
+    rtol, atol = (1e-2, 1e-3) if low_precision else (1e-5, 1e-6)
+    assert_close(value(outcomes[TORCH]), value(outcomes[OURS]), rtol=rtol, atol=atol)
+
+
 def assert_all_conform(results: RankResults, checks: Iterable[Check], **kwargs: Any) -> None:
     """:func:`assert_conforms` for every check of ``checks``; every mismatch reported."""
     failures = []

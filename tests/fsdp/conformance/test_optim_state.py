@@ -269,7 +269,7 @@ def _optim_states() -> dict:
 
 def _assert_same_training(results: RankResults, check: Check, world: int) -> None:
     """The restored optimizer continues exactly as the saving one, in both flavors; the
-    flavors agree bit for bit on 2 ranks, to rounding beyond (see test_training)."""
+    flavors agree bit for bit on 2 ranks, to rounding beyond (``assert_reduced_alike``)."""
     outcomes = results[check]
     assert_conforms(outcomes, values=False)
     for flavor in (TORCH, OURS):

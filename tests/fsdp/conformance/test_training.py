@@ -17,6 +17,7 @@ from tests.fsdp.conformance._harness import (
     RankResults,
     assert_close,
     assert_conforms,
+    assert_reduced_alike,
     assert_same,
     side_by_side,
     value,
@@ -392,19 +393,8 @@ def _training() -> dict:
 def assert_trained_alike(
     results: RankResults, checks: list[Check], world: int, *, low_precision: bool = False
 ) -> None:
-    """Bit for bit on 2 ranks, where every reduced gradient element is the sum of two
-    numbers (the same in either order). On more ranks the reduce-scatter adds an element's
-    contributions in an order that depends on where the element sits in the reduced
-    buffer (FSDP1: one flat buffer per unit; here per-parameter dim-0 chunks), so results
-    agree to rounding: of float32, or of the reduced dtype under mixed precision."""
     for check in checks:
-        outcomes = results[check]
-        if world == 2:
-            assert_conforms(outcomes)
-            continue
-        assert_conforms(outcomes, values=False)
-        rtol, atol = (1e-2, 1e-3) if low_precision else (1e-5, 1e-6)
-        assert_close(value(outcomes[TORCH]), value(outcomes[OURS]), rtol=rtol, atol=atol)
+        assert_reduced_alike(results[check], world, low_precision=low_precision)
 
 
 def test_every_strategy_trains_alike(ranks):
