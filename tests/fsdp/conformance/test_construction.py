@@ -15,6 +15,7 @@ from tests.fsdp.conformance._harness import (
     RankResults,
     assert_all_conform,
     assert_conforms,
+    assert_same,
     side_by_side,
     value,
 )
@@ -341,6 +342,12 @@ def _strategy_check(strategy_name: str | None, alone: bool = False) -> Check:
     return check
 
 
+def _strategy_check_named(strategy_name: str, prefix: str) -> Check:
+    check = _strategy_check(strategy_name)
+    check.__name__ = f"{prefix}_{strategy_name}"
+    return check
+
+
 ONE_RANK = [_strategy_check(s) for s in (None, "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
 ONE_RANK_HYBRID = _strategy_check("HYBRID_SHARD")
 ALONE = [_strategy_check(s, alone=True) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
@@ -393,3 +400,87 @@ def test_hybrid_shard_without_groups_when_wrapping_by_hand(ranks1):
 
 def test_a_group_of_one_switches_to_no_shard(ranks):
     _assert_switched(RankResults.of(ranks, _group_of_one), ALONE)
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def _deterministic_init(module: nn.Module) -> None:
+    """``param_init_fn``: materialize on CPU, each parameter ``arange / 10`` (no RNG)."""
+    module.to_empty(device=torch.device("cpu"), recurse=False)
+    with torch.no_grad():
+        for param in module.parameters(recurse=False):
+            param.copy_(torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape) / 10)
+        for buf in module.buffers(recurse=False):
+            buf.fill_(0.5)
+
+
+def _full(fsdp: Flavor, model: nn.Module) -> dict:
+    with fsdp.cls.summon_full_params(model, writeback=False):
+        params = {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+    return {**params, "buffers": [b.clone() for b in model.buffers()]}
+
+
+def meta_model_with_param_init_fn(fsdp: Flavor) -> dict:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with torch.device("meta"):
+        inner = Mlp()
+    model = fsdp.wrap(
+        inner, param_init_fn=_deterministic_init, auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+    )
+    return _full(fsdp, model)
+
+
+def sync_module_states_on_cpu(fsdp: Flavor) -> dict:
+    """Every rank starts from its own seed; ``sync_module_states`` makes rank 0's win."""
+    model = fsdp.wrap(seeded(Mlp, seed=dist.get_rank()), sync_module_states=True)
+    return _full(fsdp, model)
+
+
+def cpu_offload_on_cpu(fsdp: Flavor) -> dict:
+    from torch.distributed.fsdp import CPUOffload
+
+    return _train_one_step(fsdp, cpu_offload=CPUOffload(offload_params=True))
+
+
+def _init() -> dict:
+    return side_by_side(
+        [meta_model_with_param_init_fn, sync_module_states_on_cpu, cpu_offload_on_cpu]
+    )
+
+
+def test_meta_device_model_with_param_init_fn(ranks):
+    assert_conforms(RankResults.of(ranks, _init)[meta_model_with_param_init_fn])
+
+
+def test_sync_module_states_and_cpu_offload_on_cpu_ranks(ranks):
+    """By design: torch's FSDP1 needs an accelerator for both (``sync_module_states``
+    refuses CPU modules with ``ValueError``; ``CPUOffload(offload_params=True)`` fails);
+    this package runs them on CPU ranks: rank 0's weights everywhere, and the same step as
+    without offloading."""
+    results = RankResults.of(ranks, _init)
+    synced = results.every_rank(sync_module_states_on_cpu)
+    for outcomes in synced:
+        assert outcomes[TORCH].error is not None
+    rank0 = value(synced[0][OURS])
+    assert_same(_full_reference(), rank0)
+    for outcomes in synced[1:]:
+        assert_same(rank0, value(outcomes[OURS]))
+    offloaded = results[cpu_offload_on_cpu]
+    assert offloaded[TORCH].error is not None
+    plain = value(RankResults.of(ranks, _world_of_many)["many_FULL_SHARD"][OURS])
+    assert_same(plain, value(offloaded[OURS]))
+
+
+def _full_reference() -> dict:
+    model = seeded(Mlp, seed=0)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**params, "buffers": [b.clone() for b in model.buffers()]}
+
+
+def _world_of_many() -> dict:
+    return side_by_side([_strategy_check_named("FULL_SHARD", "many")])

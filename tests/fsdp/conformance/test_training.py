@@ -145,7 +145,47 @@ def train_use_orig_params(fsdp: Flavor) -> dict:
     return train(fsdp, use_orig_params=True)
 
 
+def train_hybrid_shard_zero2(fsdp: Flavor) -> dict:
+    """_HYBRID_SHARD_ZERO2 on the (world/2, 2) mesh."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return train(
+        fsdp,
+        sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2,
+        device_mesh=_hybrid_mesh(dist.get_world_size() // 2),
+    )
+
+
+def train_prefetching(fsdp: Flavor) -> dict:
+    """``forward_prefetch=True``, ``backward_prefetch=None``, ``limit_all_gathers=False``:
+    scheduling arguments, the same numbers."""
+    return train(fsdp, forward_prefetch=True, backward_prefetch=None, limit_all_gathers=False)
+
+
+def train_backward_post(fsdp: Flavor) -> dict:
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    return train(fsdp, backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+
+
+def train_ignored_module(fsdp: Flavor) -> dict:
+    """An ignored module trains on each rank's own gradient (not reduced), as in FSDP1."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    inner = seeded(Stack)
+    model = fsdp.wrap(
+        inner, auto_wrap_policy=ModuleWrapPolicy({Block}), ignored_modules=[inner.head]
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        lm_loss(model, step).backward()
+        optim.step()
+        optim.zero_grad()
+    return {"params": clean_params(fsdp, model), "ignored": inner.head.weight.detach().clone()}
+
+
 CLIPPED = [train_clip_two_norm, train_clip_inf_norm, train_clip_one_norm]
+SCHEDULING = [train_prefetching, train_backward_post]
 
 
 def reference_training() -> dict:
@@ -377,6 +417,9 @@ def _training() -> dict:
             train_with_no_sync,
             *CLIPPED,
             train_use_orig_params,
+            train_hybrid_shard_zero2,
+            *SCHEDULING,
+            train_ignored_module,
             *RULES,
             no_sync_on_a_non_root_unit,
             no_sync_inside_summon,
@@ -399,8 +442,32 @@ def assert_trained_alike(
 
 def test_every_strategy_trains_alike(ranks):
     results = RankResults.of(ranks, _training)
-    checks = [*STRATEGIES, train_hybrid_shard, train_use_orig_params]
+    checks = [*STRATEGIES, train_hybrid_shard, train_hybrid_shard_zero2, train_use_orig_params]
     assert_trained_alike(results, checks, ranks.world_size)
+
+
+def test_ignored_module_trains_on_local_gradients(ranks):
+    results = RankResults.of(ranks, _training)
+    assert_trained_alike(results, [train_ignored_module], ranks.world_size)
+    ignored = [value(results.on(r, train_ignored_module)[OURS])["ignored"] for r in range(2)]
+    assert not torch.equal(*ignored), "an ignored module's gradients were reduced"
+
+
+def test_scheduling_arguments_change_no_numbers(ranks):
+    """By design for warnings only: ``BACKWARD_POST`` and ``limit_all_gathers=False``
+    cannot be honoured by ``fully_shard`` (it always prefetches before the gradient
+    computation and bounds the all-gathers in flight), so they warn here (UserWarning),
+    where torch's FSDP1 runs them silently; the numbers are the same."""
+    results = RankResults.of(ranks, _training)
+    for check, words in zip(SCHEDULING, ("limit_all_gathers", "BACKWARD_POST"), strict=True):
+        outcomes = results[check]
+        assert outcomes[OURS].warned(words) and not outcomes[TORCH].warned(words)
+        for flavor in (TORCH, OURS):
+            assert outcomes[flavor].error is None, outcomes[flavor].describe()
+        if ranks.world_size == 2:
+            assert_same(value(outcomes[TORCH]), value(outcomes[OURS]))
+        else:
+            assert_close(value(outcomes[TORCH]), value(outcomes[OURS]), rtol=1e-5, atol=1e-6)
 
 
 def test_hybrid_shard_with_one_rank_per_shard_group(ranks):
