@@ -53,6 +53,16 @@ def reported_attributes(fsdp: Flavor) -> dict:
     }
 
 
+def parameter_names(fsdp: Flavor) -> dict:
+    """``named_parameters()`` outside and inside ``summon_full_params`` (``use_orig_params``
+    so that torch's FSDP1 names the original parameters too)."""
+    model = fsdp.wrap(seeded(Mlp), use_orig_params=True)
+    outside = [n for n, _ in model.named_parameters()]
+    with fsdp.cls.summon_full_params(model):
+        inside = [n for n, _ in model.named_parameters()]
+    return {"outside": outside, "inside": inside}
+
+
 def explicit_arguments(fsdp: Flavor) -> dict:
     """Every scalar argument passed with a non-default value is reported back."""
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
@@ -256,6 +266,7 @@ def _construction() -> dict:
     return side_by_side(
         [
             reported_attributes,
+            parameter_names,
             explicit_arguments,
             device_id_as_string,
             device_id_as_indexed_cpu,
@@ -273,6 +284,16 @@ def _construction() -> dict:
 def test_reported_attributes_match(ranks):
     results = RankResults.of(ranks, _construction)
     assert_all_conform(results, [reported_attributes, explicit_arguments])
+
+
+def test_parameter_names_are_clean_outside_summon_too(ranks):
+    """By design: torch's FSDP1 cleans ``_fsdp_wrapped_module.`` out of parameter names only
+    inside ``summon_full_params``; here names are clean always, so optimizer parameter
+    groups built by name and DCP's keys match the unwrapped model's."""
+    outcomes = RankResults.of(ranks, _construction)[parameter_names]
+    theirs, ours = value(outcomes[TORCH]), value(outcomes[OURS])
+    assert theirs["inside"] == ours["inside"] == ours["outside"]
+    assert all(name.startswith("_fsdp_wrapped_module.") for name in theirs["outside"])
 
 
 def test_device_id_accepts_a_device_string(ranks):

@@ -271,8 +271,14 @@ def test_local_state_dicts(ranks):
 
 
 def test_state_dict_settings(ranks):
+    """The settings API behaves alike. By design: torch's FSDP1 deprecates it (FutureWarning:
+    use DCP's ``get_state_dict``); here it is the supported way to choose a state-dict
+    format and does not warn."""
     results = RankResults.of(ranks, _state_dicts)
     assert_conforms(results[settings_api])
+    deprecated = "FSDP.set_state_dict_type\\(\\) are being deprecated"
+    assert results[settings_api][TORCH].warned(deprecated)
+    assert not results[settings_api][OURS].warned(deprecated)
     assert_conforms(
         results[settings_of_the_wrong_class], words="Expected state_dict_config of type"
     )

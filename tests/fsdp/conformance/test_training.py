@@ -558,3 +558,12 @@ def test_communication_hooks(ranks):
     assert_trained_alike(results, checks, ranks.world_size)
     for check, words in HOOK_ERRORS.items():
         assert_conforms(results[check], words=words)
+
+
+def test_fsdp1_deprecations_are_not_repeated(ranks):
+    """By design: torch's FSDP1 deprecates its NO_SHARD (FutureWarning: use DDP); here
+    NO_SHARD runs on ``fully_shard`` and is supported, so it does not warn."""
+    outcomes = RankResults.of(ranks, _training)["train_no_shard"]
+    deprecated = "The `NO_SHARD` sharding strategy is deprecated"
+    assert any(c == "FutureWarning" for c, _ in outcomes[TORCH].warnings)
+    assert outcomes[TORCH].warned(deprecated) and not outcomes[OURS].warned(deprecated)

@@ -16,6 +16,8 @@ from tests.fsdp.conformance._harness import (
     RankResults,
     assert_all_conform,
     assert_conforms,
+    assert_reduced_alike,
+    assert_same,
     side_by_side,
     value,
 )
@@ -300,6 +302,38 @@ def frozen_and_trainable_in_one_unit(fsdp: Flavor) -> dict:
     return {"units": unit_names(fsdp, model), "output": out}
 
 
+def always_wrap_with_a_module_list(fsdp: Flavor) -> dict:
+    """``always_wrap_policy`` on a model whose blocks sit in an ``nn.ModuleList``."""
+    from torch.distributed.fsdp.wrap import always_wrap_policy
+
+    from tests.models import TinyLM
+
+    torch.manual_seed(0)
+    model = fsdp.wrap(TinyLM(n_blocks=2, dim=8, vocab=11), auto_wrap_policy=always_wrap_policy)
+    with torch.no_grad():
+        out = model(tokens())
+    return {"units": unit_names(fsdp, model), "output": out}
+
+
+def frozen_and_trainable_with_flat_parameters(fsdp: Flavor) -> dict:
+    """One unit mixing frozen and trainable parameters, ``use_orig_params=False``."""
+    model = fsdp.wrap(seeded(Frozen))
+    optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(features()).square().mean().backward()
+    optim.step()
+    with fsdp.cls.summon_full_params(model, writeback=False):
+        return {clean(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def frozen_and_trainable_with_orig_params(fsdp: Flavor) -> dict:
+    model = fsdp.wrap(seeded(Frozen), use_orig_params=True)
+    optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(features()).square().mean().backward()
+    optim.step()
+    with fsdp.cls.summon_full_params(model, writeback=False):
+        return {clean(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _wrapping() -> dict:
     return side_by_side(
         [
@@ -315,6 +349,9 @@ def _wrapping() -> dict:
             forwardless_unit_trains,
             mixed_precision_wraps_batch_norm_apart,
             frozen_and_trainable_in_one_unit,
+            always_wrap_with_a_module_list,
+            frozen_and_trainable_with_flat_parameters,
+            frozen_and_trainable_with_orig_params,
         ]
     )
 
@@ -382,3 +419,27 @@ def test_mixed_precision_and_frozen_parameters_under_auto_wrap(ranks):
         warns="Both mixed precision and an auto_wrap_policy were specified",
     )
     assert_conforms(results[frozen_and_trainable_in_one_unit])
+
+
+def test_module_lists_are_not_units(ranks):
+    """By design: ``fully_shard`` refuses ``nn.ModuleList`` / ``nn.ModuleDict`` (no forward
+    to hook), so where a policy selects one (``always_wrap_policy``) torch's FSDP1 makes a
+    unit of it and this package leaves it inside the unit above; its children are units in
+    both, and the outputs are the same."""
+    outcomes = RankResults.of(ranks, _wrapping)[always_wrap_with_a_module_list]
+    theirs, ours = value(outcomes[TORCH]), value(outcomes[OURS])
+    assert "blocks" in theirs["units"] and "blocks" not in ours["units"]
+    assert [u for u in theirs["units"] if u != "blocks"] == ours["units"]
+    assert_same(theirs["output"], ours["output"])
+
+
+def test_frozen_and_trainable_parameters_in_one_unit(ranks):
+    """By design: torch's FSDP1 cannot flatten frozen and trainable parameters into one flat
+    parameter (``ValueError`` unless ``use_orig_params=True``); ``fully_shard`` shards
+    parameters one by one, so this package trains such a unit either way, as torch's FSDP1
+    does with ``use_orig_params=True``."""
+    results = RankResults.of(ranks, _wrapping)
+    flat = results[frozen_and_trainable_with_flat_parameters]
+    assert flat[TORCH].error == "ValueError" and "uniform" in flat[TORCH].message
+    assert_reduced_alike(results[frozen_and_trainable_with_orig_params], ranks.world_size)
+    assert_same(value(results[frozen_and_trainable_with_orig_params][OURS]), value(flat[OURS]))
