@@ -4,9 +4,7 @@ Mixed precision, prefetch and activation checkpointing: ``test_precision_and_pre
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.fsdp import _common as C
-from tests.models import DIM, VOCAB, Attention, Block, TinyLM
+from tests.models import DIM, VOCAB, Block, TinyLM
 
 
 def _untouched(model: nn.Module, params_before: list, classes_before: list) -> None:
@@ -148,55 +146,6 @@ def failure_midway_restores_module() -> None:
     assert len(calls) == 9
     _untouched(meta_model, before, classes)
     assert all(p.is_meta for p in meta_model.parameters())
-
-
-def _units(model: nn.Module, cls: type) -> list[str]:
-    """Clean names of the units; containers without forward (never units here) left out."""
-    return sorted(
-        name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-        for name, m in model.named_modules()
-        if isinstance(m, cls) and not isinstance(m.module, nn.ModuleList | nn.ModuleDict)
-    )
-
-
-def unit_selection_matches_torch_fsdp1() -> dict:
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.distributed.fsdp.wrap import (
-        CustomPolicy,
-        ModuleWrapPolicy,
-        always_wrap_policy,
-        lambda_auto_wrap_policy,
-        size_based_auto_wrap_policy,
-        transformer_auto_wrap_policy,
-    )
-
-    from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
-
-    policies = {
-        "module_class": ModuleWrapPolicy({Block, nn.Embedding}),
-        "size_600": functools.partial(size_based_auto_wrap_policy, min_num_params=600),
-        "size_100": functools.partial(size_based_auto_wrap_policy, min_num_params=100),
-        "transformer": functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={Block}
-        ),
-        "lambda": functools.partial(
-            lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)
-        ),
-        "always": always_wrap_policy,
-        "custom": CustomPolicy(lambda m: isinstance(m, Attention | nn.Sequential)),
-    }
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, policy in policies.items():
-            ours = _units(FSDP(C.make_model(0), auto_wrap_policy=policy), FSDP)
-            theirs = _units(
-                TorchFSDP(C.make_model(0), auto_wrap_policy=policy, device_id=torch.device("cpu")),
-                TorchFSDP,
-            )
-            assert ours == theirs, f"{name}: ours {ours} vs torch FSDP1 {theirs}"
-            out[name] = ours
-    return out
 
 
 def ignored_states_untouched() -> None:
@@ -373,12 +322,6 @@ def test_no_process_group_is_a_clear_error():
 
 def test_failure_midway_restores_the_module(ranks2):
     ranks2.run(failure_midway_restores_module)
-
-
-def test_unit_selection_matches_torch_fsdp1(ranks2):
-    selected = ranks2.run(unit_selection_matches_torch_fsdp1)[0]
-    print(selected)
-    assert selected["module_class"] == ["", "blocks.0", "blocks.1", "embed"]
 
 
 def test_ignored_modules_and_parameters(ranks2):

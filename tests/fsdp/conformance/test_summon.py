@@ -174,14 +174,10 @@ def apply_initializes(fsdp: Flavor) -> dict:
 
     def init(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            with torch.no_grad():
-                module.weight.copy_(
-                    torch.arange(module.weight.numel(), dtype=torch.float32).reshape(
-                        module.weight.shape
-                    )
-                    / 100
-                )
-                module.bias.fill_(0.25)
+            nn.init.constant_(module.weight, 0.125)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.eye_(module.weight)
 
     model = _wrapped(fsdp)
     assert model.apply(init) is model
