@@ -61,6 +61,10 @@ FSDP1_INTERNALS = {
     # warns that it guesses the group's device.
     "`_get_pg_default_device` will be deprecated": "a helper only ShardedTensor uses",
     "Multiple backends are registered with this ProcessGroup": "the same helper's guess",
+    # torch 2.9 warns while freeing tensors of FSDP1's own objects, whenever garbage
+    # collection runs (so during whichever check runs next); runs of this package's class
+    # alone do not raise it.
+    "Deallocating Tensor that still has live PyObject references": "FSDP1's garbage",
 }
 IGNORED_WARNINGS = {**ENGINE_WARNINGS, **FSDP1_DEPRECATIONS, **FSDP1_INTERNALS}
 
