@@ -10,8 +10,10 @@ test then finds gates that its observations did not open.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import time
 from pathlib import Path
 
 
@@ -72,3 +74,14 @@ class Gates:
     def close(self) -> None:
         self._fallback.cancel()
         self.open_all()
+
+
+def wait_for_file(path: str, timeout_s: float = 600.0) -> None:
+    """Return once ``path`` exists: code on a rank (a debugger command, a cell) that must
+    wait for the test to let it go. Raises TimeoutError naming the file after
+    ``timeout_s`` (the test that should have opened it has failed by then)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not created within {timeout_s:g} s")
+        time.sleep(0.02)

@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -177,18 +178,80 @@ def lab(tmp_path):
         log.close()
 
 
-def _answer_prompt(page, command: str) -> None:
-    """Type ``command`` into the input box the running cell opened (``input()``)."""
-    box = page.locator(".jp-Stdin-input")
-    box.last.wait_for(timeout=240_000)
-    assert (
-        page.locator(".jp-InputArea-prompt, .jp-Stdin-prompt")
-        .filter(has_text="(rank 1 Pdb)")
-        .count()
-        >= 1
+#: An input box the running cell waits on. A box answered already stays in the page,
+#: hidden by this class, until JupyterLab removes it 0.5 s later; it takes no more answers
+#: (what is typed into it goes nowhere), so it must never be taken for the next prompt.
+_OPEN_PROMPT = ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding)"
+
+
+def _answer_prompt(page, command: str, prompt: str = "(rank 1 Pdb)") -> Any:
+    """Type ``command`` into the input box the running cell opened (``input()``) and waits
+    on, asking ``prompt``; the box answered (an element handle)."""
+    waiting = page.locator(_OPEN_PROMPT).filter(
+        has=page.locator(".jp-Stdin-prompt", has_text=prompt)
     )
-    box.last.fill(command)
-    box.last.press("Enter")
+    _wait_or_say(page, waiting.last, f"an open input box asking {prompt!r}", 240_000)
+    # One element for both steps: a locator is resolved again at each step.
+    box = waiting.last.locator(".jp-Stdin-input").element_handle()
+    box.fill(command)
+    box.press("Enter")
+    page.wait_for_function(
+        "box => !box.isConnected || box.closest('.jp-OutputArea-stdin-hiding') !== null",
+        arg=box,
+        timeout=30_000,
+    )
+    return box
+
+
+def _wait_or_say(page, locator, waited_for: str, timeout_ms: float) -> None:
+    """``locator.wait_for``; on timeout an AssertionError that says what was waited for and
+    what the page showed instead."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        locator.wait_for(timeout=timeout_ms)
+    except PlaywrightTimeout:
+        raise AssertionError(
+            f"waited {timeout_ms / 1000:g} s for {waited_for}; the page showed instead:\n"
+            + _page_summary(page)
+        ) from None
+
+
+def _page_summary(page) -> str:
+    """The open input boxes and the last outputs of the page, as text."""
+    prompts = page.locator(_OPEN_PROMPT).all_inner_texts()
+    outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+    return (
+        f"open input boxes: {prompts or 'none'}\nlast outputs (of {len(outputs)}):\n"
+        + "\n".join(f"  | {text.strip()[:300]!r}" for text in outputs[-6:])
+    )
+
+
+def _held_until(path: Path) -> str:
+    """A Python expression that waits, on the rank, until ``path`` exists (value None)."""
+    return f"__import__('tests.notebook.gates', fromlist=['_']).wait_for_file({str(path)!r})"
+
+
+def _when_removed(page, element, action) -> None:
+    """Run ``action()`` once ``element`` has left the page (checked while the test waits
+    on the page: Playwright hands console messages over during its waits)."""
+    token = f"fsdpi-removed-{secrets.token_hex(4)}"
+
+    def on_console(message) -> None:
+        if message.text == token:
+            page.remove_listener("console", on_console)
+            action()
+
+    page.on("console", on_console)
+    page.evaluate(
+        """([element, token]) => {
+            const done = () => { observer.disconnect(); console.log(token); };
+            const observer = new MutationObserver(() => { if (!element.isConnected) done(); });
+            observer.observe(document.body, {childList: true, subtree: true});
+            if (!element.isConnected) done();
+        }""",
+        [element, token],
+    )
 
 
 def _follow_bar(page, label: str, gates: Path, widget: bool) -> list[str]:
@@ -198,7 +261,12 @@ def _follow_bar(page, label: str, gates: Path, widget: bool) -> list[str]:
     widths = []
     try:
         for step in range(BAR_STEPS):
-            output.filter(has_text=f"{step}/{BAR_STEPS}").first.wait_for(timeout=180_000)
+            _wait_or_say(
+                page,
+                output.filter(has_text=f"{step}/{BAR_STEPS}").first,
+                f"the bar {label!r} at {step}/{BAR_STEPS}",
+                180_000,
+            )
             if widget:
                 fill = output.first.locator(".progress-bar")
                 page.wait_for_function(
@@ -235,9 +303,16 @@ def test_widgets_render_in_jupyterlab(lab):
             # Not awaited: the run waits for input at the breakpoint, answered below.
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
             # The breakpoint on rank 1 asks for pdb commands in the notebook's input box.
-            _answer_prompt(page, "p probe_value * 2")
-            page.get_by_text("82", exact=True).wait_for(timeout=60_000)
+            # The first command holds rank 1 until JupyterLab has removed the box it was
+            # typed into (an answered box stays in the page, hidden, for 0.5 s): the next
+            # command must wait for the next prompt's box, not go into the answered one.
+            released = tmp_path / "gates" / "pdb"
+            answered = _answer_prompt(page, f"p {_held_until(released)} or probe_value * 2")
+            _when_removed(page, answered, released.touch)
             _answer_prompt(page, "c")
+            page.locator(".jp-OutputArea-output").get_by_text("82", exact=True).wait_for(
+                timeout=60_000
+            )
             # Each step waits for the page to show the previous one: the bars move live.
             widths = _follow_bar(page, "live widget bar", tmp_path / "gates" / "auto", True)
             assert widths == [f"{100 * step // BAR_STEPS}%" for step in range(BAR_STEPS)]
