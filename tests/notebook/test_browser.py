@@ -27,7 +27,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.notebook.gates import gated_loop
+from tests.notebook.gates import gated_loop, held_until
 
 CHROMIUM = (
     os.environ.get("FSDPI_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -227,11 +227,6 @@ def _page_summary(page) -> str:
     )
 
 
-def _held_until(path: Path) -> str:
-    """A Python expression that waits, on the rank, until ``path`` exists (value None)."""
-    return f"__import__('tests.notebook.gates', fromlist=['_']).wait_for_file({str(path)!r})"
-
-
 def _when_removed(page, element, action) -> None:
     """Run ``action()`` once ``element`` has left the page (checked while the test waits
     on the page: Playwright hands console messages over during its waits)."""
@@ -307,20 +302,19 @@ def test_widgets_render_in_jupyterlab(lab):
             # typed into (an answered box stays in the page, hidden, for 0.5 s): the next
             # command must wait for the next prompt's box, not go into the answered one.
             released = tmp_path / "gates" / "pdb"
-            answered = _answer_prompt(page, f"p {_held_until(released)} or probe_value * 2")
+            answered = _answer_prompt(page, f"p {held_until(released)} or probe_value * 2")
             _when_removed(page, answered, released.touch)
             _answer_prompt(page, "c")
-            page.locator(".jp-OutputArea-output").get_by_text("82", exact=True).wait_for(
-                timeout=60_000
-            )
+            answer = page.locator(".jp-OutputArea-output").get_by_text("82", exact=True)
+            _wait_or_say(page, answer, "rank 1's answer to 'p probe_value * 2' (82)", 60_000)
             # Each step waits for the page to show the previous one: the bars move live.
             widths = _follow_bar(page, "live widget bar", tmp_path / "gates" / "auto", True)
             assert widths == [f"{100 * step // BAR_STEPS}%" for step in range(BAR_STEPS)]
             _follow_bar(page, "live text bar", tmp_path / "gates" / "plain", False)
             stopped = page.locator(".jp-OutputArea-output").filter(has_text="pool stopped")
-            stopped.wait_for(timeout=240_000)
+            _wait_or_say(page, stopped, "the last cell's 'pool stopped'", 240_000)
             tables = page.locator(".widget-html-content table.fsdp-interactive")
-            tables.first.wait_for(timeout=30_000)
+            _wait_or_say(page, tables.first, "the layout views' tables", 60_000)
             text = " ".join(tables.all_inner_texts())
             shots = REPO / "out" / "figures"
             with contextlib.suppress(OSError):

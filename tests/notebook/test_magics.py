@@ -116,13 +116,20 @@ def test_failing_rank_fails_the_cell(pool_shell, pool, capsys):
     assert "ValueError: bad rank" in "\n".join(error._render_traceback_())
 
 
-def test_timeout_shows_every_ranks_stack(pool_shell, pool):
-    body = "import time\nif rank == 1:\n    time.sleep(4)\ndist.barrier()\n"
-    with pytest.raises(RankTimeout) as info:
-        cell(pool_shell, "--timeout 1 -o timed_out --no-stream", body)
+def test_timeout_shows_every_ranks_stack(pool_shell, pool, tmp_path):
+    go = tmp_path / "go"  # rank 1 is slow until the report is out
+    body = (
+        f"import os, time\nif rank == 1:\n    while not os.path.exists({str(go)!r}):\n"
+        "        time.sleep(0.05)\ndist.barrier()\n"
+    )
+    try:
+        with pytest.raises(RankTimeout) as info:
+            cell(pool_shell, "--timeout 1 -o timed_out --no-stream", body)
+    finally:
+        go.touch()
     error = info.value
     assert set(error.stacks) == {0, 1}
-    assert "sleep" in error.where[1]
+    assert "sleep" in error.where[1], error.where
     assert "barrier" in error.stacks[0]
     assert pool_shell.user_ns["timed_out"] is error
     error.wait(60)  # let the run finish so that the group is clean again
@@ -243,21 +250,29 @@ def test_status_shows_topology_and_memory(pool_shell, pool, capsys):
     assert "RSS" in out and "MiB" in out
 
 
-def test_interrupt_stops_a_running_cell(pool_shell, pool):
-    timer = threading.Timer(2.0, lambda: pool_shell.run_line_magic("fsdp", "interrupt"))
-    timer.start()
-    started = time.monotonic()
-    try:
-        result = pool_shell.run_cell(
-            "%%fsdp --no-stream\nimport time\nfor _ in range(600):\n    time.sleep(0.1)"
-        )
-    finally:
-        timer.cancel()
-    assert time.monotonic() - started < 50
+def test_interrupt_stops_a_running_cell(pool_shell, pool, tmp_path):
+    # %fsdp interrupt is typed (from another thread) once both ranks run the loop.
+    arrived = [tmp_path / f"arrived{rank}" for rank in (0, 1)]
+    typed = threading.Event()
+
+    def interrupt_once_arrived() -> None:
+        end = time.monotonic() + 120
+        while not all(path.exists() for path in arrived) and time.monotonic() < end:
+            time.sleep(0.02)
+        pool_shell.run_line_magic("fsdp", "interrupt")
+        typed.set()
+
+    threading.Thread(target=interrupt_once_arrived, daemon=True).start()
+    result = pool_shell.run_cell(
+        f"%%fsdp --no-stream\nimport os, time\nopen(os.path.join({str(tmp_path)!r}, "
+        "f'arrived{rank}'), 'w').close()\nfor step in range(1200):\n    time.sleep(0.05)"
+    )
+    assert typed.wait(60), "%fsdp interrupt was never typed"
     assert not result.success
     error = result.error_in_exec
-    assert isinstance(error, RankInterrupted)
+    assert isinstance(error, RankInterrupted), error
     assert error.ranks == [0, 1] and not error.needs_restart
+    assert pool.pull("step")[0] < 1199  # stopped by the interrupt, not by its end
 
 
 def test_restart_gives_a_fresh_group(pool_shell, pool):

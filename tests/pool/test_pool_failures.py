@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from fsdp_interactive.pool import (
     RankTimeout,
     RunResult,
 )
+from fsdp_interactive.pool._dispatch import PendingCall
 from tests.pool.conftest import record, wait_gone
 
 
@@ -39,6 +41,30 @@ def _when_files_exist(paths: list[Path], action: Callable[[], None], timeout: fl
 
 def _interrupt_this_process() -> None:
     os.kill(os.getpid(), signal.SIGINT)
+
+
+def _ctrl_c_once_waiting(timeout: float = 120) -> threading.Thread:
+    """Press Ctrl-C on this process once its main thread waits for a call (inside
+    ``PendingCall.wait``), as a user does; a thread, to be joined."""
+    main, waiting = threading.main_thread().ident, PendingCall.wait.__code__
+
+    def in_wait() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code is not waiting:
+            frame = frame.f_back
+        return frame is not None
+
+    def watch() -> None:
+        end = time.monotonic() + timeout
+        while not in_wait():
+            if time.monotonic() > end:
+                return  # the test's own wait then fails, naming what it waited for
+            time.sleep(0.01)
+        _interrupt_this_process()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def _assert_ctrl_c_raises_here() -> None:
@@ -65,15 +91,23 @@ def _restart_and_check(pool: Pool) -> None:
     }
 
 
-def test_slow_run_times_out_with_stacks_and_can_be_waited_for(pool: Pool):
-    code = "import time\nif rank == 1:\n    time.sleep(4)\ndist.barrier()\nrank"
-    with pytest.raises(RankTimeout) as info:
-        pool.run(code, timeout=1.5, stream=False)
+def test_slow_run_times_out_with_stacks_and_can_be_waited_for(pool: Pool, marker_dir: Path):
+    # Rank 1 is slow until the test lets it go (after the timeout's report).
+    go = marker_dir / "go"
+    code = (
+        f"import os, time\nif rank == 1:\n    while not os.path.exists({str(go)!r}):\n"
+        "        time.sleep(0.05)\ndist.barrier()\nrank"
+    )
+    try:
+        with pytest.raises(RankTimeout) as info:
+            pool.run(code, timeout=1.5, stream=False)
+    finally:
+        go.touch()
     err = info.value
     assert isinstance(err, TimeoutError)
     assert err.pending == [0, 1]
-    assert "barrier" in err.where[0]
-    assert "time.sleep(4)" in err.where[1]
+    assert "barrier" in err.where[0], err.where
+    assert "time.sleep(0.05)" in err.where[1], err.where
     result = err.wait(60)  # the ranks were not stopped: the same run completes
     assert isinstance(result, RunResult) and result.results == {0: "0", 1: "1"}
 
@@ -111,11 +145,10 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
     # Keep waiting, then "press Ctrl-C": SIGINT goes to both ranks; rank 1 stops,
     # rank 0 stays blocked inside the collective and the pool says to restart.
     _assert_ctrl_c_raises_here()
-    timer = threading.Timer(1.0, _interrupt_this_process)
-    timer.start()
+    pressed = _ctrl_c_once_waiting()
     with pytest.raises(RankInterrupted) as interrupted:
         err.wait()
-    timer.join()
+    pressed.join()
     stopped = interrupted.value
     assert stopped.ranks == [0, 1]
     assert list(stopped.stuck) == [0] and "barrier" in stopped.stuck[0]

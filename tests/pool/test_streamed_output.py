@@ -6,51 +6,65 @@ from __future__ import annotations
 
 import io
 import time
+from pathlib import Path
 
 from fsdp_interactive._lines import LineBuffer, final_lines, final_text
 from fsdp_interactive.pool import TaggedPrinter
 from fsdp_interactive.pool._call_output import CallOutput, RankText, received_metadata
+from tests.notebook.gates import Gates, gated_loop
 
-COUNTER = (
-    "import sys, time\n"
-    "for i in range(5):\n"
-    "    print(f'step {i}/5', end='\\r', file=sys.stderr, flush=True)\n"
-    "    time.sleep(0.15)\n"
-    "print('finished', rank, file=sys.stderr)\n"
-)
+STEPS = 5
 
 
-def _collect(pool, subscribe: bool) -> dict[int, str]:
+def _counter(gates: Path) -> str:
+    """Each rank rewrites a counter line ``step i/5``, then waits until the test has seen
+    step ``i`` from both ranks (gate ``i``): the text must come while the ranks run."""
+    step = f"print(f'step {{i}}/{STEPS}', end='\\r', file=sys.stderr, flush=True)"
+    return gated_loop(gates, STEPS, "RANGE", body=step, setup="import sys") + (
+        "print('finished', rank, file=sys.stderr)\n"
+    )
+
+
+def _collect(pool, subscribe: bool, gates_dir: Path) -> dict[int, str]:
     handles = {
-        rank: view.execute(COUNTER, block=False, silent=False)
+        rank: view.execute(_counter(gates_dir), block=False, silent=False)
         for rank, view in pool._live.views([0, 1]).items()
     }
     output = CallOutput(handles, subscribe=subscribe)
     received: dict[int, list[str]] = {0: [], 1: []}
-    chunks: dict[int, int] = {0: 0, 1: 0}
-    while not all(handle.ready() for handle in handles.values()):
-        for rank, item in output.take():
-            assert isinstance(item, RankText) and item.name == "stderr"
-            received[rank].append(item.text)
-            chunks[rank] += 1
-        handles[0].wait(0.05)
+    gates = Gates(gates_dir, STEPS)
+    try:
+        while not all(handle.ready() for handle in handles.values()):
+            for rank, item in output.take():
+                assert isinstance(item, RankText) and item.name == "stderr"
+                received[rank].append(item.text)
+            texts = ["".join(parts) for parts in received.values()]
+            gates.observe(
+                " ".join(
+                    f"{i}/{STEPS}" for i in range(STEPS) if all(f"step {i}/" in t for t in texts)
+                )
+            )
+            handles[0].wait(0.05)
+    finally:
+        gates.close()
     for handle in handles.values():
         handle.wait_for_output(5)
     for rank, item in output.take():
         received[rank].append(item.text)
     output.close()
-    assert min(chunks.values()) >= 2  # the text came while the ranks ran, in parts
+    # every step came while the ranks ran, each before the ranks went on
+    assert gates.opened_by_sight == list(range(STEPS)), received
     return {rank: "".join(parts) for rank, parts in received.items()}
 
 
-def test_subscribed_chunks_are_the_stream_as_written(pool):
-    texts = _collect(pool, subscribe=True)
+def test_subscribed_chunks_are_the_stream_as_written(pool, tmp_path):
+    texts = _collect(pool, subscribe=True, gates_dir=tmp_path)
     for rank, text in texts.items():
-        assert text == "".join(f"step {i}/5\r" for i in range(5)) + f"finished {rank}\n"
+        assert text == "".join(f"step {i}/{STEPS}\r" for i in range(STEPS)) + f"finished {rank}\n"
 
 
-def test_chunks_read_from_the_record_rewrite_the_current_line(pool):
-    texts = _collect(pool, subscribe=False)
+def test_chunks_read_from_the_record_rewrite_the_current_line(pool, tmp_path):
+    texts = _collect(pool, subscribe=False, gates_dir=tmp_path)
     for rank, text in texts.items():
         buffer = LineBuffer()
         assert buffer.feed(text) == [line for line in final_lines(text)]
