@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any torch in the range pyproject.toml allows.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint clean bench bench-gpu gpu-check setup-torch test-torch
+.PHONY: setup demo test test-stress lint clean bench bench-gpu gpu-check setup-torch test-torch
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,14 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The tests marked `timing` (live output and bars, death and hang detection, breakpoints,
+# interrupts, recovery and multi-host faults), STRESS_ROUNDS rounds beside a CPU hog of
+# twice the cores that the runner starts and ends; prints each test's failures out of N
+# (tests/stress.py; reports in out/stress). STRESS_ARGS='-- -k bar' narrows it.
+STRESS_ROUNDS ?= 5
+test-stress: setup
+	$(PY) -m tests.stress --rounds $(STRESS_ROUNDS) $(STRESS_ARGS)
 
 # The rank-side tests on another torch release, in its own virtualenv (.venv-torch-VERSION)
 # with torch's PyPI wheel (a CUDA build; it runs on CPU). CI runs the lowest release

@@ -29,7 +29,7 @@ from tests.multihost.launchers import running_ssh_pool
 from tests.multihost.testhosts import HostSet
 from tests.pool.recovery_cells import SETUP
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.timing]
 
 PER_HOST = 2
 LOST = "hostb"

@@ -29,6 +29,8 @@ import pytest
 
 from tests.notebook.gates import gated_loop, held_until
 
+pytestmark = pytest.mark.timing
+
 CHROMIUM = (
     os.environ.get("FSDPI_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 )

@@ -10,8 +10,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from fsdp_interactive.pool import RankDied
 from tests.notebook.gates import held_until
+
+pytestmark = pytest.mark.timing
 
 
 def _touch_when_received(pool, texts: dict[str, str], path: Path) -> threading.Thread:

@@ -120,6 +120,7 @@ def _watch_displays(*tags: str):
     return watch
 
 
+@pytest.mark.timing
 def test_a_plain_bar_is_one_display_updated_while_the_cell_runs(kernel, tmp_path):
     kernel.run("%%fsdp\nfrom tqdm import tqdm")
     gates, messages = _gated_run(
@@ -142,6 +143,7 @@ def test_a_plain_bar_is_one_display_updated_while_the_cell_runs(kernel, tmp_path
     assert "plain of rank" not in streams and "\r" not in streams
 
 
+@pytest.mark.timing
 def test_with_group_outputs_rank_each_ranks_bar_is_its_own_display(kernel, tmp_path):
     kernel.run("%%fsdp\nfrom tqdm import tqdm")
     gates, messages = _gated_run(
@@ -159,6 +161,7 @@ def test_with_group_outputs_rank_each_ranks_bar_is_its_own_display(kernel, tmp_p
         assert final.startswith(f"[rank {rank}:stderr] bar of rank {rank}: 100%|██████████| 4/4 ")
 
 
+@pytest.mark.timing
 def test_a_tqdm_auto_bar_is_a_widget_bar_drawn_in_the_kernel_while_the_cell_runs(kernel, tmp_path):
     kernel.run("%%fsdp\nfrom tqdm.auto import tqdm as auto_tqdm")
 

@@ -34,6 +34,7 @@ def test_default_shows_rank0_output_and_every_ranks_errors(pool_shell, pool, cap
     assert "rank 1 printed other output" in out
 
 
+@pytest.mark.timing
 def test_streamed_output_is_shown_while_running(pool_shell, pool, capsys):
     cell(
         pool_shell,
@@ -116,6 +117,7 @@ def test_failing_rank_fails_the_cell(pool_shell, pool, capsys):
     assert "ValueError: bad rank" in "\n".join(error._render_traceback_())
 
 
+@pytest.mark.timing
 def test_timeout_shows_every_ranks_stack(pool_shell, pool, tmp_path):
     go = tmp_path / "go"  # rank 1 is slow until the report is out
     body = (
@@ -250,6 +252,7 @@ def test_status_shows_topology_and_memory(pool_shell, pool, capsys):
     assert "RSS" in out and "MiB" in out
 
 
+@pytest.mark.timing
 def test_interrupt_stops_a_running_cell(pool_shell, pool, tmp_path):
     # %fsdp interrupt is typed (from another thread) once both ranks run the loop.
     arrived = [tmp_path / f"arrived{rank}" for rank in (0, 1)]
@@ -332,6 +335,7 @@ def test_cells_are_numbered_as_the_shell_numbers_them(pool_shell, pool):
     )
 
 
+@pytest.mark.timing
 def test_debug_magic_runs_one_command_or_a_session_on_the_last_failure(
     pool_shell, pool, capsys, monkeypatch
 ):
@@ -354,6 +358,7 @@ def test_debug_magic_runs_one_command_or_a_session_on_the_last_failure(
         pool_shell.run_line_magic("fsdp", "debug -r 4 p x")
 
 
+@pytest.mark.timing
 def test_breakpoint_asks_for_commands_through_input(pool_shell, pool, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("p count\nn\np count\nc\n"))
     cell(

@@ -13,6 +13,8 @@ from IPython.utils.capture import capture_output
 from fsdp_interactive._lines import final_lines
 from tests.notebook.gates import Gates, gated_loop
 
+pytestmark = pytest.mark.timing
+
 STEPS = 4
 
 

@@ -31,6 +31,7 @@ def weights(pool) -> dict[int, str]:
     return {rank: ast.literal_eval(text) for rank, text in results.items()}
 
 
+@pytest.mark.timing
 def test_a_notebook_snapshots_shows_its_journal_and_recovers_after_a_death(
     pool_shell, pool, capsys, tmp_path: Path
 ):

@@ -17,6 +17,7 @@ from tests.pool.conftest import record
 ONE_SIDED = "import time\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(120)\n"
 
 
+@pytest.mark.timing
 def test_a_hang_names_each_ranks_last_collective_and_the_mismatch(pool: Pool, capsys):
     began = time.monotonic()
     with pytest.raises(RankTimeout) as info:
@@ -48,6 +49,7 @@ def test_a_hang_names_each_ranks_last_collective_and_the_mismatch(pool: Pool, ca
     record(pool)
 
 
+@pytest.mark.timing
 def test_a_rank_holding_the_gil_answers_through_the_stack_signal(pool: Pool):
     code = "import re\nre.match(r'(a+)+$', 'a' * 36 + 'b')\n"
     with pytest.raises(RankTimeout) as info:
@@ -112,6 +114,7 @@ def test_a_numbered_cell_keeps_its_lines_and_code_without_a_number_keeps_no_fail
     assert not pool.debug(0, "q").active
 
 
+@pytest.mark.timing
 def test_a_breakpoint_on_one_rank_takes_commands_and_the_others_wait(pool: Pool, monkeypatch):
     typed = io.StringIO("p step\nn\np step\nc\n")
     prompts: list[str] = []
@@ -156,6 +159,7 @@ def test_breakpoint_commands_run_unattended_and_bad_ranks_are_refused(pool: Pool
     assert "rank must be a rank of the pool (0..1), got 7" in str(info.value)
 
 
+@pytest.mark.timing
 def test_interrupt_says_a_rank_blocked_in_a_collective_needs_a_restart(pool: Pool):
     with pytest.raises(RankTimeout):
         pool.run(ONE_SIDED, timeout=2, stream=False)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from fsdp_interactive.pool import Pool
 from fsdp_interactive.pool._dispatch import dead_ranks
@@ -17,6 +18,8 @@ from fsdp_interactive.pool.processes._pids import (
     start_time,
     still_running,
 )
+
+pytestmark = pytest.mark.timing
 
 
 def _sleeper() -> subprocess.Popen:

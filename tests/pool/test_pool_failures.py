@@ -24,6 +24,8 @@ from fsdp_interactive.pool import (
 from fsdp_interactive.pool._dispatch import PendingCall
 from tests.pool.conftest import record, wait_gone
 
+pytestmark = pytest.mark.timing
+
 
 def _when_files_exist(paths: list[Path], action: Callable[[], None], timeout: float = 60) -> None:
     """Run ``action`` in a thread as soon as every path exists (ranks create them)."""

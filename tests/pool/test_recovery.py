@@ -42,6 +42,7 @@ def test_recover_without_a_snapshot_refuses_and_leaves_the_pool_as_it_was(fresh)
     assert pool.run("'model' in globals()", stream=False).results == {0: "True", 1: "True"}
 
 
+@pytest.mark.timing
 def test_after_a_death_the_state_is_the_snapshots_bit_for_bit(fresh, capsys):
     pool, truth = fresh
     pool.run("train(0, 6, every=3)", cell=3, stream=False, replay=False)

@@ -8,10 +8,14 @@ import io
 import time
 from pathlib import Path
 
+import pytest
+
 from fsdp_interactive._lines import LineBuffer, final_lines, final_text
 from fsdp_interactive.pool import TaggedPrinter
 from fsdp_interactive.pool._call_output import CallOutput, RankText, received_metadata
 from tests.notebook.gates import Gates, gated_loop
+
+pytestmark = pytest.mark.timing
 
 STEPS = 5
 
