@@ -20,6 +20,13 @@ A rank may also print and then wait, sending nothing more until its output is se
 the record holds output that no callback has taken, the record is taken on the client's
 I/O thread, between two messages (:func:`_on_io_thread`).
 
+The record keeps no display update, so an update that arrived before the subscription
+would be lost (a ``tqdm.auto`` bar whose messages all came first would stay at its first
+state, never closed). :func:`execute_watched` therefore sends a call's requests from the
+client's I/O thread with a :class:`RequestWatch` on each: the thread sends a request only
+after the callback that made it returns, so the watch sees every message of the request,
+and keeps them until a :class:`CallOutput` takes them over, in order, none twice.
+
 ipyparallel names used: ``AsyncResult._children`` (the request's ``MessageFuture``, whose
 public ``iopub_callbacks`` list receives every IOPub message of the request; checked on
 ipyparallel 9.2.0) and ``Client._io_loop``. Where it is missing the record is read instead, each time
@@ -31,10 +38,11 @@ seen).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +102,88 @@ def _on_io_thread(handle: Any, action: Any) -> None:
     loop.add_callback(action)
 
 
+class RequestWatch:
+    """An ``iopub_callbacks`` entry that keeps every IOPub message of one request from its
+    first, until :meth:`hand_over` gives them, and every later one, to a consumer; after
+    :meth:`close` messages are dropped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[dict[str, Any]] = []
+        self._consumer: Callable[[dict[str, Any]], None] | None = None
+        self._closed = False
+
+    def __call__(self, message: dict[str, Any]) -> None:
+        """On the client's I/O thread, for each message of the request."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._consumer is None:
+                self._kept.append(message)
+                return
+            consumer = self._consumer
+        consumer(message)
+
+    def hand_over(self, consumer: Callable[[dict[str, Any]], None]) -> None:
+        with self._lock:
+            for message in self._kept:
+                consumer(message)
+            self._kept = []
+            self._consumer = consumer
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._kept, self._consumer = [], None
+
+
+def _watch_of(future: Any) -> RequestWatch | None:
+    return next((c for c in future.iopub_callbacks if isinstance(c, RequestWatch)), None)
+
+
+def execute_watched(views: Mapping[int, Any], code: str) -> dict[int, Any]:
+    """``view.execute(code, block=False, silent=False)`` for each rank's view, every
+    request watched from its first message (see the module's notes); rank -> AsyncResult.
+
+    Made on the client's I/O thread (``Client._io_loop``, checked on ipyparallel 9.2.0),
+    which queues each send behind this callback; where that loop is not reachable the
+    requests are made here, and a message that comes before its watch is taken from the
+    record as for any late subscription.
+    """
+    views = dict(views)
+    if not views:
+        return {}
+
+    def make() -> dict[int, Any]:
+        handles = {}
+        for rank, view in views.items():
+            handle = view.execute(code, block=False, silent=False)
+            future = _request_future(handle)
+            if future is not None:
+                future.iopub_callbacks.append(RequestWatch())
+            handles[rank] = handle
+        return handles
+
+    client = getattr(next(iter(views.values())), "client", None)
+    loop = getattr(client, "_io_loop", None)
+    thread = getattr(client, "_io_thread", None)
+    if (
+        not callable(getattr(loop, "add_callback", None))
+        or not getattr(thread, "is_alive", lambda: False)()
+    ):
+        return make()
+    made: concurrent.futures.Future[dict[int, Any]] = concurrent.futures.Future()
+
+    def on_io_thread() -> None:
+        try:
+            made.set_result(make())
+        except BaseException as error:  # handed to the caller
+            made.set_exception(error)
+
+    loop.add_callback(on_io_thread)
+    return made.result()
+
+
 def received_metadata(handle: Any) -> dict[str, Any]:
     """A single-engine AsyncResult's metadata dict, as received.
 
@@ -143,6 +233,12 @@ class CallOutput:
                 log.debug("ipyparallel's request futures are not reachable: reading its record")
             return
         for rank, future in futures.items():
+            watch = _watch_of(future)
+            if watch is not None:  # every message of the request, from its first
+                self._caught_up.add(rank)
+                self._subscribed[rank] = (future, watch)
+                watch.hand_over(functools.partial(self._take_message, rank))
+                continue
             callback = functools.partial(self._on_message, rank)
             self._subscribed[rank] = (future, callback)
             future.iopub_callbacks.append(callback)
@@ -165,9 +261,14 @@ class CallOutput:
         """On the client's I/O thread, for every IOPub message of the rank's request, after
         the client recorded it."""
         kind = message.get("header", {}).get("msg_type")
-        content = message.get("content") or {}
         if self._catch_up(rank) and kind != "update_display_data":
             return  # the record held this message (updates are not recorded)
+        self._take_message(rank, message)
+
+    def _take_message(self, rank: int, message: dict[str, Any]) -> None:
+        """One IOPub message of the rank's request as an item (other kinds are ignored)."""
+        kind = message.get("header", {}).get("msg_type")
+        content = message.get("content") or {}
         if kind == "stream":
             self._arrived.append((rank, RankText(content.get("name", "stdout"), content["text"])))
         elif kind == "display_data":
@@ -198,6 +299,8 @@ class CallOutput:
         """Stop listening (once the calls' output is complete, no message can come)."""
         subscribed, self._subscribed = self._subscribed, {}
         for future, callback in subscribed.values():
+            if isinstance(callback, RequestWatch):
+                callback.close()
             if callback in future.iopub_callbacks:
                 future.iopub_callbacks.remove(callback)
 

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdp_interactive.pool import _cell_imports
+from fsdp_interactive.pool._call_output import execute_watched
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
     PendingCall,
@@ -459,7 +460,12 @@ class Pool(DebuggingCalls):
         # The call and cell numbers travel in the code's own request: one message per rank.
         call = entry.id if entry is not None else None
         sent = _engine_shell.mark_call(code, call, cell, replaying=replaying)
-        handles = {r: view.execute(sent, block=False, silent=False) for r, view in views.items()}
+        if stream:  # every message watched from the first: none lost to a late subscription
+            handles = execute_watched(views, sent)
+        else:
+            handles = {
+                r: view.execute(sent, block=False, silent=False) for r, view in views.items()
+            }
         pending = self._pending(
             handles,
             stream=stream,

@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_interactive._bar_state import bar_of
 from fsdp_interactive._lines import LineBuffer, final_lines, final_text
-from fsdp_interactive.pool import TaggedPrinter
-from fsdp_interactive.pool._call_output import CallOutput, RankText, received_metadata
+from fsdp_interactive.pool import TaggedPrinter, _output
+from fsdp_interactive.pool._call_output import (
+    CallOutput,
+    RankDisplay,
+    RankText,
+    received_metadata,
+)
 from tests.notebook.gates import Gates, gated_loop
 
 pytestmark = pytest.mark.timing
@@ -129,3 +135,46 @@ def test_output_that_arrived_before_the_subscription_is_taken_while_the_rank_wai
     texts += [item.text for _, item in output.take()]
     output.close()
     assert "".join(texts) == "waiting\nreleased\n"
+
+
+class _Displays:
+    """An output sink that keeps every display a rank sent (text is dropped)."""
+
+    def __init__(self) -> None:
+        self.shown: dict[int, list[RankDisplay]] = {0: [], 1: []}
+
+    def __call__(self, rank: int, name: str, text: str) -> None:
+        pass
+
+    def display(self, rank: int, shown: RankDisplay) -> None:
+        self.shown[rank].append(shown)
+
+
+def test_a_bar_whose_states_all_came_before_the_subscription_reaches_its_end(pool, monkeypatch):
+    """On a busy kernel every message of a short ``tqdm.auto`` bar may reach the client
+    before the run subscribes to its output. The client's record keeps the bar's first
+    display but none of its updates: the bar must still reach its last state. The kernel
+    is held here, before it subscribes, until each rank's line after the bar came."""
+
+    class SubscribedLate(CallOutput):
+        def __init__(self, handles, subscribe=True) -> None:
+            deadline = time.monotonic() + 120
+            while not all(
+                "bar done" in (received_metadata(h).get("stdout") or "") for h in handles.values()
+            ):
+                assert time.monotonic() < deadline, "the ranks' lines never reached the client"
+                time.sleep(0.02)
+            super().__init__(handles, subscribe)
+
+    monkeypatch.setattr(_output, "CallOutput", SubscribedLate)
+    sink = _Displays()
+    pool.run(
+        "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='short', mininterval=0):\n"
+        "    pass\nprint('bar done', flush=True)\n",
+        on_output=sink,
+    )
+    for rank, displays in sink.shown.items():
+        states = [bar_of(shown.data) for shown in displays]
+        assert states and states[0].n == 0, (rank, states)
+        assert states[-1].n == 3 and states[-1].closed, (rank, states)
+        assert [shown.update for shown in displays] == [False] + [True] * (len(displays) - 1)
