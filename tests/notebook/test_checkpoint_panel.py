@@ -92,10 +92,11 @@ def test_async_save_call_form(panel):
     assert panel.pending == "bg"
     with pytest.raises(RuntimeError, match="still running"):
         panel.save("other")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not panel.poll() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert panel.pending is None and [r.name for r in panel.records] == ["bg"]
+    assert panel.pending is None, "the asynchronous save 'bg' did not finish within 180 s"
+    assert [r.name for r in panel.records] == ["bg"]
 
 
 def set_weights(pool, expression):
