@@ -267,8 +267,10 @@ def test_interrupt_stops_a_running_cell(pool_shell, pool, tmp_path):
 
     threading.Thread(target=interrupt_once_arrived, daemon=True).start()
     result = pool_shell.run_cell(
-        f"%%fsdp --no-stream\nimport os, time\nopen(os.path.join({str(tmp_path)!r}, "
-        "f'arrived{rank}'), 'w').close()\nfor step in range(1200):\n    time.sleep(0.05)"
+        # the marker is written inside the loop: once it exists, ``step`` does too
+        "%%fsdp --no-stream\nimport os, time\nfor step in range(1200):\n    if step == 0:\n"
+        f"        open(os.path.join({str(tmp_path)!r}, f'arrived{{rank}}'), 'w').close()\n"
+        "    time.sleep(0.05)"
     )
     assert typed.wait(60), "%fsdp interrupt was never typed"
     assert not result.success

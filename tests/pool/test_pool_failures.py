@@ -161,7 +161,12 @@ def test_mismatched_collective_times_out_then_interrupt_says_restart(pool: Pool,
 
 
 def test_ctrl_c_interrupts_a_long_loop_and_the_pool_stays_usable(pool: Pool, marker_dir: Path):
-    code = _arrive(marker_dir) + "import time\nfor step in range(100000):\n    time.sleep(0.05)\n"
+    # The marker is written inside the loop: once it exists, ``step`` does too.
+    code = (
+        "import time\nfor step in range(100000):\n    if step == 0:\n"
+        + "".join(f"        {line}\n" for line in _arrive(marker_dir).splitlines())
+        + "    time.sleep(0.05)\n"
+    )
     paths = [marker_dir / f"arrived{r}" for r in (0, 1)]
     _assert_ctrl_c_raises_here()
     _when_files_exist(paths, _interrupt_this_process)
