@@ -22,10 +22,12 @@ I/O thread, between two messages (:func:`_on_io_thread`).
 
 The record keeps no display update, so an update that arrived before the subscription
 would be lost (a ``tqdm.auto`` bar whose messages all came first would stay at its first
-state, never closed). :func:`execute_watched` therefore sends a call's requests from the
-client's I/O thread with a :class:`RequestWatch` on each: the thread sends a request only
-after the callback that made it returns, so the watch sees every message of the request,
-and keeps them until a :class:`CallOutput` takes them over, in order, none twice.
+state, never closed). Every call whose output is streamed (``Pool.run``, ``Pool.call``,
+the start-up steps whose output is shown) therefore sends its requests through
+:func:`send_requests`, from the client's I/O thread with a :class:`RequestWatch` on each:
+the thread sends a request only after the callback that made it returns, so the watch
+sees every message of the request, and keeps them until a :class:`CallOutput` takes them
+over, in order, none twice.
 
 ipyparallel names used: ``AsyncResult._children`` (the request's ``MessageFuture``, whose
 public ``iopub_callbacks`` list receives every IOPub message of the request; checked on
@@ -141,29 +143,35 @@ def _watch_of(future: Any) -> RequestWatch | None:
     return next((c for c in future.iopub_callbacks if isinstance(c, RequestWatch)), None)
 
 
-def execute_watched(views: Mapping[int, Any], code: str) -> dict[int, Any]:
-    """``view.execute(code, block=False, silent=False)`` for each rank's view, every
-    request watched from its first message (see the module's notes); rank -> AsyncResult.
+def send_requests(
+    views: Mapping[int, Any], send: Callable[[int, Any], Any], *, watched: bool = True
+) -> dict[int, Any]:
+    """``send(rank, view)`` for each rank's single-engine view: it sends the rank's request
+    and returns its AsyncResult (``view.execute(code, block=False, silent=False)``,
+    ``view.apply_async(...)``); rank -> AsyncResult. ``watched``: the requests' output is
+    to be streamed, so every request is watched from its first message (see the module's
+    notes); a :class:`CallOutput` of them must take the watches over, or close them.
 
-    Made on the client's I/O thread (``Client._io_loop``, checked on ipyparallel 9.2.0),
-    which queues each send behind this callback; where that loop is not reachable the
-    requests are made here, and a message that comes before its watch is taken from the
-    record as for any late subscription.
+    Watched requests are made on the client's I/O thread (``Client._io_loop``, checked on
+    ipyparallel 9.2.0), which queues each send behind this callback; where that loop is
+    not reachable they are made here, and a message that comes before its watch is taken
+    from the record as for any late subscription. What ``send`` raises (an argument that
+    cannot be serialised) is raised here.
     """
     views = dict(views)
-    if not views:
-        return {}
 
     def make() -> dict[int, Any]:
         handles = {}
         for rank, view in views.items():
-            handle = view.execute(code, block=False, silent=False)
-            future = _request_future(handle)
+            handle = send(rank, view)
+            future = _request_future(handle) if watched else None
             if future is not None:
                 future.iopub_callbacks.append(RequestWatch())
             handles[rank] = handle
         return handles
 
+    if not watched or not views:
+        return make()
     client = getattr(next(iter(views.values())), "client", None)
     loop = getattr(client, "_io_loop", None)
     thread = getattr(client, "_io_thread", None)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdp_interactive.pool import _cell_imports
-from fsdp_interactive.pool._call_output import execute_watched
+from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
     PendingCall,
@@ -460,12 +460,10 @@ class Pool(DebuggingCalls):
         # The call and cell numbers travel in the code's own request: one message per rank.
         call = entry.id if entry is not None else None
         sent = _engine_shell.mark_call(code, call, cell, replaying=replaying)
-        if stream:  # every message watched from the first: none lost to a late subscription
-            handles = execute_watched(views, sent)
-        else:
-            handles = {
-                r: view.execute(sent, block=False, silent=False) for r, view in views.items()
-            }
+        # Streamed: every message watched from the first, none lost to a late subscription.
+        handles = send_requests(
+            views, lambda _, view: view.execute(sent, block=False, silent=False), watched=stream
+        )
         pending = self._pending(
             handles,
             stream=stream,
@@ -501,9 +499,9 @@ class Pool(DebuggingCalls):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         views = self._begin(targets, timeout)
-        handles = {
-            r: view.apply_async(_results.call, fn, *args, **kwargs) for r, view in views.items()
-        }
+        handles = send_requests(  # streamed: watched from the first message
+            views, lambda _, view: view.apply_async(_results.call, fn, *args, **kwargs)
+        )
         with self._faults.outcome(None):
             return self._pending(handles, stream=True).wait(timeout)
 

@@ -37,10 +37,11 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
 from fsdp_interactive.pool.common import _hosts
@@ -184,10 +185,10 @@ class Rendezvous:
         # the socket rank 0 binds itself (passed as master_listen_fd) decides.
         bind = master_addr
         store_timeout = min(self._pg_timeout, self._timeout)
-        port = self.gather(
-            {0: group.views[0].apply_async(rank_side.open_store, bind, n, store_timeout)},
+        port = self.gather_ranks(
+            {0: group.views[0]},
+            lambda _, view: view.apply_async(rank_side.open_store, bind, n, store_timeout),
             "opening the rendezvous store",
-            ranked=True,
         )[0]
 
         env = {**(socket_env() if single_host else {}), **self._engine_env}
@@ -219,13 +220,10 @@ class Rendezvous:
             }
             for slot in slots
         }
-        joined = self.gather(
-            {
-                r: group.views[r].apply_async(_engine_shell.join_pool, spec)
-                for r, spec in specs.items()
-            },
+        joined = self.gather_ranks(
+            group.views,
+            lambda rank, view: view.apply_async(_engine_shell.join_pool, specs[rank]),
             "forming the process group",
-            ranked=True,
         )
         group.records = [
             RankRecord(
@@ -251,27 +249,34 @@ class Rendezvous:
 
     def set_up_namespaces(self, group: Group) -> None:
         """Pre-fill every rank's namespace (see :data:`NAMESPACE_SETUP`)."""
-        self.gather(
-            {
-                rank: view.execute(NAMESPACE_SETUP, block=False, silent=False)
-                for rank, view in group.views.items()
-            },
+        self.gather_ranks(
+            group.views,
+            lambda _, view: view.execute(NAMESPACE_SETUP, block=False, silent=False),
             "setting up the rank namespaces",
-            ranked=True,
         )
+
+    def gather_ranks(
+        self, views: Mapping[int, Any], send: Callable[[int, Any], Any], what: str
+    ) -> dict[int, Any]:
+        """Results of one start-up step's call on ranks (``views``: rank -> its view;
+        ``send(rank, view)`` sends the rank's request), by rank. When the pool has a log
+        level the ranks' output is shown tagged by rank, each request watched from its
+        first message (:func:`~._call_output.send_requests`)."""
+        shown = self._log_level is not None
+        return self.gather(send_requests(views, send, watched=shown), what, ranked=shown)
 
     def gather(
         self, handles: Mapping[int, Any], what: str, *, ranked: bool = False
     ) -> dict[int, Any]:
         """Results of one start-up step's calls, keyed as ``handles``.
 
-        ``ranked``: the keys are ranks, so the ranks' output can be shown tagged by rank
-        (it is when the pool has a log level). Raises :class:`PoolStartError` at the first
-        failure, at the timeout, or when an engine process exits.
+        ``ranked``: the keys are ranks, and the ranks' output is shown tagged by rank.
+        Raises :class:`PoolStartError` at the first failure, at the timeout, or when an
+        engine process exits.
         """
         began = time.monotonic()
         deadline = began + self._timeout
-        printer = TaggedPrinter() if ranked and self._log_level is not None else None
+        printer = TaggedPrinter() if ranked else None
         pump = OutputPump(handles, printer) if printer is not None else None
         try:
             while not all(h.ready() for h in handles.values()):
@@ -293,6 +298,8 @@ class Rendezvous:
                     handle.wait_for_output(_POLL_S)
                 pump()
         finally:
+            if pump is not None:
+                pump.close()
             if printer is not None:
                 printer.flush()
         results: dict[int, Any] = {}

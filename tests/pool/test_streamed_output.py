@@ -5,6 +5,7 @@ current line), and the default printer moves a progress line in place."""
 from __future__ import annotations
 
 import io
+import logging
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from fsdp_interactive.pool._call_output import (
     RankText,
     received_metadata,
 )
+from fsdp_interactive.pool._rendezvous import Rendezvous
 from tests.notebook.gates import Gates, gated_loop
 
 pytestmark = pytest.mark.timing
@@ -150,31 +152,80 @@ class _Displays:
         self.shown[rank].append(shown)
 
 
-def test_a_bar_whose_states_all_came_before_the_subscription_reaches_its_end(pool, monkeypatch):
-    """On a busy kernel every message of a short ``tqdm.auto`` bar may reach the client
-    before the run subscribes to its output. The client's record keeps the bar's first
-    display but none of its updates: the bar must still reach its last state. The kernel
-    is held here, before it subscribes, until each rank's line after the bar came."""
+def _subscribe_after(monkeypatch, line: str) -> None:
+    """Hold the kernel before a call subscribes to its output until ``line`` of every
+    rank's stdout reached the client (on a busy kernel every message of a short call may
+    come first: the client's record keeps a display but none of its updates)."""
 
     class SubscribedLate(CallOutput):
         def __init__(self, handles, subscribe=True) -> None:
             deadline = time.monotonic() + 120
             while not all(
-                "bar done" in (received_metadata(h).get("stdout") or "") for h in handles.values()
+                line in (received_metadata(h).get("stdout") or "") for h in handles.values()
             ):
-                assert time.monotonic() < deadline, "the ranks' lines never reached the client"
+                assert time.monotonic() < deadline, f"the ranks' {line!r} never reached the client"
                 time.sleep(0.02)
             super().__init__(handles, subscribe)
 
     monkeypatch.setattr(_output, "CallOutput", SubscribedLate)
+
+
+SHORT_BAR = (
+    "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='short', mininterval=0):\n"
+    "    pass\nprint('bar done', flush=True)\n"
+)
+
+
+def test_a_bar_whose_states_all_came_before_the_subscription_reaches_its_end(pool, monkeypatch):
+    """A run's short ``tqdm.auto`` bar reaches its last state although all its messages
+    came before the run subscribed to its output."""
+    _subscribe_after(monkeypatch, "bar done")
     sink = _Displays()
-    pool.run(
-        "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='short', mininterval=0):\n"
-        "    pass\nprint('bar done', flush=True)\n",
-        on_output=sink,
-    )
+    pool.run(SHORT_BAR, on_output=sink)
     for rank, displays in sink.shown.items():
         states = [bar_of(shown.data) for shown in displays]
         assert states and states[0].n == 0, (rank, states)
         assert states[-1].n == 3 and states[-1].closed, (rank, states)
         assert [shown.update for shown in displays] == [False] + [True] * (len(displays) - 1)
+
+
+def _short_bar() -> str:
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(3), desc="short", mininterval=0):
+        pass
+    print("bar done", flush=True)
+    return "returned"
+
+
+def _assert_each_bar_ended_at_3(err: str) -> None:
+    """``err``, a printer's stderr, shows each rank's short bar once, at its last state."""
+    for rank in (0, 1):
+        bars = [
+            line.text for line in final_lines(err) if line.text.startswith(f"[rank {rank}] short:")
+        ]
+        assert len(bars) == 1 and "| 3/3 [" in bars[0], (rank, err)
+
+
+def test_a_calls_bar_whose_states_all_came_before_the_subscription_ends_in_its_last_state(
+    pool, monkeypatch, capsys
+):
+    """The same for ``Pool.call``: its printer ends each rank's bar at 3/3, once."""
+    _subscribe_after(monkeypatch, "bar done")
+    assert pool.call(_short_bar) == ["returned", "returned"]
+    _assert_each_bar_ended_at_3(capsys.readouterr().err)
+
+
+def test_a_start_up_steps_output_is_shown_from_its_first_message(pool, monkeypatch, capsys):
+    """The same for a start-up step of a pool with a log level, whose ranks' output is
+    shown tagged by rank (here a step that shows a bar, on the running pool's engines)."""
+    _subscribe_after(monkeypatch, "bar done")
+    rendezvous = Rendezvous(
+        pool._client, timeout=120, pg_timeout=600, launched=None, log_level=logging.INFO
+    )
+    rendezvous.gather_ranks(
+        pool._live.views([0, 1]),
+        lambda _, view: view.execute(SHORT_BAR, block=False, silent=False),
+        "showing a bar",
+    )
+    _assert_each_bar_ended_at_3(capsys.readouterr().err)
