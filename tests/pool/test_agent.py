@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import signal
 import threading
 import time
@@ -96,3 +97,24 @@ def test_fault_link_carries_faulthandler_dumps_on_the_stack_signal(agent):
     dumps = agents.signal_dumps([0], lambda ranks: os.kill(os.getpid(), signal.SIGUSR1), 5.0)
     assert f"Thread 0x{user_thread:016x}" in dumps[0]
     assert "_sleeping_thread" in dumps[0]
+
+
+def test_fault_link_dumps_arrive_when_the_kernel_holds_over_a_thousand_descriptors(agent):
+    """A kernel that has run for a while holds descriptors past select()'s 1024 limit;
+    the links opened then must still carry their dumps."""
+    agents, user_thread = agent
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard >= 1200, f"this test needs RLIMIT_NOFILE's hard limit >= 1200, not {hard}"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY)]
+    try:
+        while filler[-1] < 1100:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        agents.open_links()
+        assert agents._fault[0].fileno() > 1024
+        dumps = agents.signal_dumps([0], lambda ranks: os.kill(os.getpid(), signal.SIGUSR1), 5)
+        assert f"Thread 0x{user_thread:016x}" in dumps[0]
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -168,12 +167,14 @@ class RankAgents:
         last_data: dict[int, float] = {}
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
-            open_fds = {self._fault[r].fileno(): r for r in linked}
-            readable, _, _ = select.select(list(open_fds), [], [], 0.05)
+            rank_of = {id(self._fault[r]): r for r in linked}
+            # wait() polls, so descriptors above select()'s FD_SETSIZE work too (a kernel
+            # that has run for a while holds more than 1024).
+            readable = readable_links([self._fault[r] for r in linked], timeout=0.05)
             now = time.monotonic()
-            for fd in readable:
-                rank = open_fds[fd]
-                chunk = os.read(fd, 65536)
+            for conn in readable:
+                rank = rank_of[id(conn)]
+                chunk = os.read(conn.fileno(), 65536)
                 if chunk:
                     received[rank] += chunk
                     last_data[rank] = now
@@ -245,7 +246,6 @@ class RankAgents:
 
 def _drain(conn: Connection) -> None:
     """Discard what a fault link holds already (a dump nobody waited for)."""
-    fd = conn.fileno()
-    while select.select([fd], [], [], 0)[0]:
-        if not os.read(fd, 65536):
+    while conn.poll(0):
+        if not os.read(conn.fileno(), 65536):
             return
