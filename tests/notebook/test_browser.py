@@ -13,10 +13,10 @@ stops its own pool in its last cell, and the kernel's exit stops it otherwise.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -87,22 +87,28 @@ def bar_cells(gates: Path) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_server(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+def _serving_at(
+    runtime: Path, proc: subprocess.Popen, token: str, log: Path, timeout: float = 90
+) -> str:
+    """The base URL of the Jupyter server ``proc`` once it answers: its port is the one it
+    wrote into its server file in ``runtime`` (the OS chose it, so no other process can
+    hold it meanwhile)."""
+    info = runtime / f"jpserver-{proc.pid}.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited with {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
-            if reply.status == 200:
-                return
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}; its log:\n{tail}")
+        if info.exists():
+            with contextlib.suppress(ValueError, OSError):
+                base = f"http://127.0.0.1:{json.loads(info.read_text())['port']}"
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as reply:
+                    if reply.status == 200:
+                        return base
         time.sleep(0.5)
-    raise TimeoutError(f"jupyter lab did not answer at {url} within {timeout}s")
+    raise TimeoutError(
+        f"jupyter lab wrote no server file in {runtime} or did not answer within {timeout}s"
+    )
 
 
 # CI sets this after installing Chromium: there a missing piece is a failure, not a skip.
@@ -136,7 +142,7 @@ def lab(tmp_path):
         "language": "python",
     }
     nbformat.write(notebook, tmp_path / "widgets.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -144,6 +150,7 @@ def lab(tmp_path):
         JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
         IPYTHONDIR=str(tmp_path / "ipython"),
         IPP_NONINTERACTIVE="1",
+        JUPYTER_TOKEN=token,  # not on the command line, where other users could read it
     )
     log = open(tmp_path / "lab.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
@@ -153,9 +160,8 @@ def lab(tmp_path):
             "jupyter",
             "lab",
             "--no-browser",
-            f"--port={port}",
+            "--ServerApp.port=0",
             "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={tmp_path}",
             "--LabApp.expose_app_in_browser=True",
             "--ServerApp.port_retries=0",
@@ -166,9 +172,8 @@ def lab(tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    base = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_server(f"{base}/api/status?token={token}", proc)
+        base = _serving_at(tmp_path / "runtime", proc, token, tmp_path / "lab.log")
         yield f"{base}/lab/tree/widgets.ipynb?token={token}", tmp_path
     finally:
         proc.terminate()  # the server shuts its kernels down; their pools stop at exit
