@@ -402,11 +402,15 @@ FlatParameter: type = _torch_name("torch.distributed.fsdp._flat_param", "FlatPar
 def fsdp1_flat_param(module: nn.Module) -> tuple[Any, torch.Tensor] | None:
     """The ``FlatParameter`` torch's FSDP1 ``module`` manages itself and this rank's shard of
     it, padding included, also while unsharded (``module._handle.flat_param``,
-    ``_local_shard``: the whole of it under NO_SHARD); ``None`` when it manages none.
+    ``_local_shard``, set at the first forward; the parameter's data before it, which FSDP1
+    sharded at construction; the whole of it under NO_SHARD); ``None`` when it manages none.
     checked: 2.9.1, 2.13.0, 2.14.1
     """
     handle = module._handle
-    return None if handle is None else (handle.flat_param, handle.flat_param._local_shard)
+    if handle is None:
+        return None
+    flat_param = handle.flat_param
+    return flat_param, vars(flat_param).get("_local_shard", flat_param.data)
 
 
 def fsdp1_pieces(flat_param: Any) -> list[tuple[str, torch.Size, int, int, int, Any]]:
@@ -430,16 +434,14 @@ def fsdp1_pieces(flat_param: Any) -> list[tuple[str, torch.Size, int, int, int, 
 
 
 def fsdp1_replicate_group(module: nn.Module) -> Any:
-    """The group torch's FSDP1 ``module`` all-reduces gradients over between replicas under
-    HYBRID_SHARD (``_inter_node_pg``), else ``None``. checked: 2.9.1, 2.13.0, 2.14.1
-    """
+    """The group torch FSDP1 ``module`` reduces over between HYBRID_SHARD replicas
+    (``_inter_node_pg``), else ``None``. checked: 2.9.1, 2.13.0, 2.14.1"""
     return vars(module).get("_inter_node_pg")
 
 
 def is_fsdp1_managed(tensor: torch.Tensor) -> bool:
-    """Whether torch's FSDP1 flattened ``tensor`` into a flat parameter, or it is one (the
-    ``_fsdp_flattened`` mark). checked: 2.9.1, 2.13.0, 2.14.1
-    """
+    """Whether torch FSDP1 flattened or made ``tensor`` (``_fsdp_flattened``).
+    checked: 2.9.1, 2.13.0, 2.14.1"""
     return bool(getattr(tensor, "_fsdp_flattened", False))
 
 
@@ -448,10 +450,9 @@ def compiled_module_inner(module: nn.Module) -> nn.Module | None:
     (``torch._dynamo.eval_frame``, ``_orig_mod``), else ``None``; never imports dynamo
     (without it nothing is compiled). checked: 2.9.1, 2.13.0, 2.14.1
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
-        return None
-    return module._orig_mod
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = frames is not None and isinstance(module, frames.OptimizedModule)
+    return module._orig_mod if compiled else None
 
 
 # ---------------------------------------------------------------------------- checkpoints

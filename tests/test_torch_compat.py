@@ -380,6 +380,7 @@ def _fsdp1_probe(use_orig_params: bool) -> dict:
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
     )
     registered = dict(inner.named_parameters())
+    before_forward = compat.fsdp1_flat_param(hybrid)
     return {
         "flat_is_flat": isinstance(flat, compat.FlatParameter),
         "names": [(fqn, tuple(shape)) for fqn, shape, *_ in pieces],
@@ -395,6 +396,8 @@ def _fsdp1_probe(use_orig_params: bool) -> dict:
             for fqn, *_, original in pieces
         ],
         "root_holds_its_own": compat.fsdp1_flat_param(model) is not None,
+        "before_forward": before_forward[1] is before_forward[0].data
+        or torch.equal(before_forward[1], before_forward[0].data),
         "replicate": (
             compat.fsdp1_replicate_group(inner),
             dist.get_world_size(compat.fsdp1_replicate_group(hybrid)),
@@ -415,6 +418,7 @@ def test_fsdp1_flat_parameter_entries(ranks2, use_orig_params):
         assert r["names"] == [("weight", (5, 3)), ("bias", (5,))]
         assert r["originals"] == [True, True]
         assert r["root_holds_its_own"]  # the root manages the second Linear itself
+        assert r["before_forward"]
         assert r["replicate"] == (None, 1)
         assert r["managed"] == (True, True, False)
         held += r["held"]
