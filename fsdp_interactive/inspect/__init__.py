@@ -14,6 +14,7 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
 * ``summon_stats(model, fqn)`` -> ``TensorStats``; ``edit_param(model, fqn, expression)``
   writes an edited full parameter back (collectives over the mesh).
 * ``memory()`` -> ``MemoryStats`` (no communication).
+* ``clean_name(model, name)``: the clean FQN of a parameter or module named either way.
 * ``plain_copy(value, max_bytes)``: a CPU copy of a (D)Tensor for the kernel, size-limited;
   its ``ValueError`` for a value over the limit contains ``TOO_LARGE``.
   ``full_param(model, fqn)``: one whole parameter as a CPU tensor, however it is wrapped.
@@ -23,6 +24,7 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
 from fsdp_interactive.inspect._grad_norms import grad_norms
 from fsdp_interactive.inspect._layout import layout
 from fsdp_interactive.inspect._memory import memory
+from fsdp_interactive.inspect._names import clean_name
 from fsdp_interactive.inspect._pull import TOO_LARGE, full_param, plain_copy
 from fsdp_interactive.inspect._recorder import GradNormRecorder
 from fsdp_interactive.inspect._records import (
@@ -57,6 +59,7 @@ __all__ = [
     "ShardSlice",
     "TensorStats",
     "UnsupportedWrapping",
+    "clean_name",
     "combine_norms",
     "edit_param",
     "find_spikes",

@@ -41,3 +41,41 @@ def test_replicas_of_a_hybrid_mesh_are_stacked_not_overdrawn() -> None:
     assert len(set(boxes)) == 4, f"two ranks drawn on the same spot: {boxes}"
     labels = sorted(t.get_text() for t in bars.texts)
     assert labels == ["r0", "r1", "r2", "r3"]
+
+
+def _flat_layout(placements: tuple[str, ...], runs: list[tuple[int, int]]) -> ModelLayout:
+    """A (4, 5) weight held as runs of its flattened elements (torch FSDP1's flat shards)."""
+    slices = tuple(
+        ShardSlice(r, (n,), (start // 5, start % 5), n, n, flat=True)
+        for r, (start, n) in enumerate(runs)
+    )
+    param = ParamLayout(
+        fqn="w",
+        global_shape=(4, 5),
+        dtype="float32",
+        element_size=4,
+        is_dtensor=False,
+        placements=placements,
+        mesh_shape=(2,),
+        mesh_dim_names=None,
+        requires_grad=True,
+        slices=slices,
+    )
+    totals = tuple(RankTotals(r, 40, 0, 0, 0) for r in range(2))
+    return ModelLayout(world_size=2, params=(param,), ranks=totals)
+
+
+def _boxes(model_layout: ModelLayout) -> list[tuple[float, float]]:
+    bars = layout_figure(model_layout).axes[0]
+    return [
+        (round(p.get_x(), 6), round(p.get_width(), 6))
+        for p in bars.patches
+        if isinstance(p, Rectangle) and p.get_fill()
+    ]
+
+
+def test_flat_shards_are_drawn_where_their_runs_lie() -> None:
+    """Rank 0 holds elements 0-12, rank 1 13-19 (uneven, as FSDP1's padding leaves them)."""
+    assert _boxes(_flat_layout(("FlatShard()",), [(0, 13), (13, 7)])) == [(0, 0.65), (0.65, 0.35)]
+    # NO_SHARD: every rank holds all of it, side by side as replicas are drawn.
+    assert _boxes(_flat_layout(("Replicate()",), [(0, 20), (0, 20)])) == [(0, 0.5), (0.5, 0.5)]
