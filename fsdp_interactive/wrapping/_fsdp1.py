@@ -20,7 +20,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_interactive._torch_compat import fsdp1_flat_param, fsdp1_pieces, fsdp1_replicate_group
 from fsdp_interactive.fsdp.fully_sharded_data_parallel import FSDP_WRAPPED_MODULE
-from fsdp_interactive.wrapping._names import clean_path
+from fsdp_interactive.wrapping._names import PathCleaner
 from fsdp_interactive.wrapping._param import FlatShard, world
 from fsdp_interactive.wrapping._refusal import UnsupportedWrapping
 
@@ -56,7 +56,7 @@ class Fsdp1Index:
         return bool(self.by_flat_param)
 
 
-def index_fsdp1(root: nn.Module) -> Fsdp1Index:
+def index_fsdp1(root: nn.Module, cleaner: PathCleaner) -> Fsdp1Index:
     """The :class:`Fsdp1Index` of every torch FSDP1 unit under ``root`` (no communication).
 
     ``UnsupportedWrapping`` for a unit whose ranks, with their replicas, do not make up the
@@ -72,7 +72,7 @@ def index_fsdp1(root: nn.Module) -> Fsdp1Index:
             continue
         flat_param, local_shard = held
         shard_group, replicas = _groups(module, path, world_size)
-        unit = clean_path(root, path)
+        unit = cleaner.clean(path)
         originals = []
         for fqn, shape, offset, start, length, original in fsdp1_pieces(flat_param):
             shard = FlatShard(
@@ -88,7 +88,7 @@ def index_fsdp1(root: nn.Module) -> Fsdp1Index:
             )
             wrapped = _wrapped_name(path, fqn)
             entry = Fsdp1Original(
-                fqn, tuple(int(s) for s in shape), unit, path, clean_path(root, wrapped), shard
+                fqn, tuple(int(s) for s in shape), unit, path, cleaner.clean(wrapped), shard
             )
             originals.append(entry)
             if original is not None:

@@ -19,7 +19,7 @@ from fsdp_interactive._torch_compat import (
     padded_shard_numels,
 )
 from fsdp_interactive.wrapping._fsdp1 import Fsdp1Index, index_fsdp1
-from fsdp_interactive.wrapping._names import clean_path, peel, registered_parameters, wrapped_inner
+from fsdp_interactive.wrapping._names import PathCleaner, peel, registered_parameters, wrapped_inner
 from fsdp_interactive.wrapping._param import (
     FlatShardParam,
     OriginalParam,
@@ -45,8 +45,10 @@ class ModelParams(Mapping[str, OriginalParam]):
     names the wrapper classes found, outermost first.
     """
 
-    def __init__(self, model: nn.Module, root: nn.Module, prefix: str, params: list[OriginalParam]):
-        self._root = root
+    def __init__(
+        self, model: nn.Module, cleaner: PathCleaner, prefix: str, params: list[OriginalParam]
+    ):
+        self._cleaner = cleaner
         self._prefix = prefix
         self._params = {p.fqn: p for p in params}
         self._wrapped = {p.wrapped_name: p.fqn for p in params}
@@ -107,7 +109,7 @@ class ModelParams(Mapping[str, OriginalParam]):
             return f"{name}."
         path = name.removeprefix(self._prefix)
         try:
-            clean = clean_path(self._root, path)
+            clean = self._cleaner.clean(path)
         except AttributeError:
             return None
         return f"{clean}." if clean else ""
@@ -156,9 +158,10 @@ def model_params(model: nn.Module) -> ModelParams:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     root, prefix, _ = peel(model)
     _check_data_parallel_groups(root)
-    fsdp1 = index_fsdp1(root)
+    cleaner = PathCleaner(root)
+    fsdp1 = index_fsdp1(root, cleaner)
     padded = padded_shard_numels(root)
-    units = dtensor_units(root)
+    units = dtensor_units(root, cleaner)
     registered = {id(p): path for path, p in registered_parameters(root)}
     params: list[OriginalParam] = []
     seen: set[int] = set()
@@ -167,12 +170,12 @@ def model_params(model: nn.Module) -> ModelParams:
         if path is None:
             raise _renamed(root, name, "is not registered in any module")
         seen.add(id(tensor))
-        params += _originals(root, prefix, name, path, tensor, fsdp1, padded, units)
+        params += _originals(cleaner, root, prefix, name, path, tensor, fsdp1, padded, units)
     hidden = [path for key, path in registered.items() if key not in seen]
     if hidden:
         raise _renamed(root, hidden[0], "is registered but not listed by named_parameters()")
     _check_views(root, params, {key: path for key, path in registered.items()})
-    result = ModelParams(model, root, prefix, params)
+    result = ModelParams(model, cleaner, prefix, params)
     logger.debug(
         "model_params(%s): %d parameters, wrapped by %s",
         type(model).__name__,
@@ -183,6 +186,7 @@ def model_params(model: nn.Module) -> ModelParams:
 
 
 def _originals(
+    cleaner: PathCleaner,
     root: nn.Module,
     prefix: str,
     name: str,
@@ -203,7 +207,7 @@ def _originals(
                 "manages",
             )
         return [_flat_original(prefix, e, tensor.requires_grad) for e in entries]
-    clean = _clean_name(root, name, path)
+    clean = _clean_name(cleaner, root, name, path)
     entry = fsdp1.by_original.get(id(tensor))
     if entry is not None:
         if entry.clean_name != clean:
@@ -245,12 +249,12 @@ def _flat_original(prefix: str, entry: object, requires_grad: bool) -> FlatShard
     )
 
 
-def _clean_name(root: nn.Module, name: str, path: str) -> str:
+def _clean_name(cleaner: PathCleaner, root: nn.Module, name: str, path: str) -> str:
     """The clean name of the parameter ``named_parameters()`` calls ``name``, which must be
     the clean form of the path where it is registered."""
     try:
-        clean = clean_path(root, name)
-        same = clean_path(root, path) == clean
+        clean = cleaner.clean(name)
+        same = name == path or cleaner.clean(path) == clean
     except AttributeError:
         same = False
     if not same:
@@ -326,7 +330,7 @@ def _check_views(root: nn.Module, params: list[OriginalParam], paths: dict[int, 
                 )
 
 
-def dtensor_units(root: nn.Module) -> dict[int, str]:
+def dtensor_units(root: nn.Module, cleaner: PathCleaner) -> dict[int, str]:
     """id(DTensor parameter) -> clean FQN of the FSDP unit managing it (``""``: the root).
 
     A unit is a module ``fully_shard`` was applied to; it manages the DTensor parameters
@@ -341,6 +345,6 @@ def dtensor_units(root: nn.Module) -> dict[int, str]:
         for param in unit.parameters():
             if isinstance(param, DTensor) and id(param) not in owner:
                 if name is None:
-                    name = clean_path(root, path)
+                    name = cleaner.clean(path)
                 owner[id(param)] = name
     return owner

@@ -4,7 +4,7 @@ torch's state-dict helpers (``torch.distributed.checkpoint.state_dict``, ``_get_
 name a parameter by the path through the model with the levels that wrappers add left out:
 DDP's ``module``, FSDP1's ``_fsdp_wrapped_module``, ``torch.compile``'s ``_orig_mod``,
 activation checkpointing's ``_checkpoint_wrapped_module``, and the levels a module lists in
-``_fqn_modifiers()``. :func:`clean_path` does the same for any path (modules too), telling
+``_fqn_modifiers()``. :class:`PathCleaner` does the same for any path (modules too), telling
 a wrapper's level by the object it leads to (the module the wrapper holds), not by its
 spelling, so that it also sees FSDP1's level below a checkpoint wrapper (which
 ``_get_fqns`` takes for a module's name, while the state dict's keys leave it out). Lightning's wrappers (Fabric's ``_FabricModule``, the Trainer's
@@ -79,39 +79,57 @@ def peel(model: nn.Module) -> tuple[nn.Module, str, list[str]]:
     return root, prefix, wrappers
 
 
-def clean_path(root: nn.Module, path: str) -> str:
-    """``path`` (a module's or a parameter's, from ``root``) without the wrappers' levels.
+class PathCleaner:
+    """Clean paths under one root, each module level looked up once.
 
     ``_get_fqns``' rules, with a wrapper's level told by identity: a segment is left out
     where it leads from a wrapper to the module it holds, wherever that wrapper sits (torch's
     ``_get_fqns`` misses FSDP1's level below a checkpoint wrapper, whose ``state_dict()``
-    keys leave it out). The last segment is not looked up (a flat parameter's originals
-    are not attributes while it is sharded). ``AttributeError`` when ``path`` does not
-    lead anywhere from ``root``.
+    keys leave it out). The last segment of a path is not looked up (a flat parameter's
+    originals are not attributes while it is sharded). :meth:`clean` raises
+    ``AttributeError`` when a path does not lead anywhere from the root. Modules must not
+    be rearranged between calls.
     """
-    if not path:
-        return ""
-    *through, last = path.split(".")
-    names: list[str] = []
-    here: object = root
-    for segment in through:
-        if isinstance(here, nn.Module):
-            inner = wrapped_inner(here)
-            child = getattr(here, segment)
-            if inner is not None and child is inner:
-                here = child
-                continue
+
+    def __init__(self, root: nn.Module):
+        self._levels: dict[str, tuple[object, str]] = {"": (root, "")}
+        self._inner: dict[int, nn.Module | None] = {}
+
+    def clean(self, path: str) -> str:
+        if not path:
+            return ""
+        through, _, last = path.rpartition(".")
+        here, clean = self._level(through)
+        inner = self._inner_of(here)
+        if inner is not None and submodule_slots(here).get(last) is inner:
+            return clean
+        return f"{clean}.{last}" if clean else last
+
+    def _inner_of(self, here: object) -> nn.Module | None:
+        if not isinstance(here, nn.Module):
+            return None
+        if id(here) not in self._inner:
+            self._inner[id(here)] = wrapped_inner(here)
+        return self._inner[id(here)]
+
+    def _level(self, path: str) -> tuple[object, str]:
+        """(the object at ``path``, its clean path)."""
+        known = self._levels.get(path)
+        if known is not None:
+            return known
+        parent, _, segment = path.rpartition(".")
+        here, clean = self._level(parent)
+        inner = self._inner_of(here)
+        if inner is not None and submodule_slots(here).get(segment) is inner:
+            found: tuple[object, str] = (inner, clean)
+        else:
             modifiers = getattr(here, FQN_MODIFIERS_METHOD, None)
             hidden = modifiers().get(segment) if callable(modifiers) else None
             if hidden and hasattr(here, hidden):
                 here = getattr(here, hidden)
-        names.append(segment)
-        here = getattr(here, segment)
-    inner = wrapped_inner(here) if isinstance(here, nn.Module) else None
-    if inner is not None and submodule_slots(here).get(last) is inner:
-        return ".".join(names)
-    names.append(last)
-    return ".".join(names)
+            found = (getattr(here, segment), f"{clean}.{segment}" if clean else segment)
+        self._levels[path] = found
+        return found
 
 
 def registered_parameters(root: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

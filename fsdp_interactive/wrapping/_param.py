@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from fsdp_interactive._torch_compat import local_tensor
 from fsdp_interactive.fsdp._comm_device import comm_device, gather_full
@@ -166,15 +167,8 @@ class ShardedParam(OriginalParam):
         tensor = self.tensor
         assert isinstance(tensor, DTensor)
         self.padded_numel = padded_numel
-        mesh = tensor.device_mesh
-        self.split_groups = tuple(
-            mesh.get_group(dim)
-            for dim, placement in enumerate(tensor.placements)
-            if not placement.is_replicate()
-        )
-        self.copies = _replicated_copies(tuple(mesh.shape), tuple(tensor.placements))
-        self.placements = tuple(repr(p) for p in tensor.placements)
-        self.mesh_shape = tuple(int(s) for s in mesh.shape)
+        facts = _mesh_facts(tensor.device_mesh, tuple(tensor.placements))
+        self.split_groups, self.copies, self.placements, self.mesh_shape = facts
 
     @property
     def comm_device(self) -> torch.device:
@@ -208,13 +202,16 @@ class ShardedParam(OriginalParam):
 
 
 @functools.lru_cache(maxsize=256)
-def _replicated_copies(mesh_shape: tuple[int, ...], placements: tuple) -> int:
-    """How many ranks hold the same piece: the sizes of the Replicate mesh dimensions."""
-    return math.prod(
-        size
-        for size, placement in zip(mesh_shape, placements, strict=True)
-        if placement.is_replicate()
-    )
+def _mesh_facts(
+    mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[tuple[dist.ProcessGroup, ...], int, tuple[str, ...], tuple[int, ...]]:
+    """(groups that split the tensor, ranks per piece: the sizes of the Replicate mesh
+    dimensions, placements as text, mesh shape) of a DTensor on ``mesh``; models repeat
+    the same few, so each is worked out once."""
+    groups = tuple(mesh.get_group(dim) for dim, p in enumerate(placements) if not p.is_replicate())
+    shape = tuple(int(s) for s in mesh.shape)
+    copies = math.prod(size for size, p in zip(shape, placements, strict=True) if p.is_replicate())
+    return groups, copies, tuple(repr(p) for p in placements), shape
 
 
 @dataclass(frozen=True)
