@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ class Piece:
     flat: bool
 
 
+@dataclass(eq=False, repr=False)
 class OriginalParam:
     """A parameter of the model as its author named it, and how this rank holds it.
 
@@ -69,25 +71,18 @@ class OriginalParam:
     parameter (``None`` for an original inside a flat parameter).
     """
 
-    kind = ""
-
-    def __init__(
-        self,
-        fqn: str,
-        wrapped_name: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        requires_grad: bool,
-        unit: str | None,
-        tensor: torch.Tensor | None,
-    ):
-        self.fqn = fqn
-        self.wrapped_name = wrapped_name
-        self.shape = shape
-        self.dtype = dtype
-        self.requires_grad = requires_grad
-        self.unit = unit
-        self.tensor = tensor
+    fqn: str
+    wrapped_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    unit: str | None
+    tensor: torch.Tensor | None
+    split_groups: tuple[dist.ProcessGroup, ...] = field(default=(), init=False)
+    copies: int = field(default=1, init=False)
+    placements: tuple[str, ...] = field(default=(), init=False)
+    mesh_shape: tuple[int, ...] = field(default=(), init=False)
+    kind: ClassVar[str] = ""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.fqn!r}, shape={self.shape}, unit={self.unit!r})"
@@ -99,11 +94,6 @@ class OriginalParam:
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
-
-    split_groups: tuple[dist.ProcessGroup, ...] = ()
-    copies: int = 1
-    placements: tuple[str, ...] = ()
-    mesh_shape: tuple[int, ...] = ()
 
     @property
     def comm_device(self) -> torch.device:
@@ -130,15 +120,15 @@ class OriginalParam:
         raise NotImplementedError
 
 
+@dataclass(eq=False, repr=False)
 class WholeParam(OriginalParam):
     """A plain tensor that every rank of the default group holds whole."""
 
-    kind = "whole"
-    placements = ("Replicate(world)",)
+    kind: ClassVar[str] = "whole"
 
-    def __init__(self, *args: object, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __post_init__(self) -> None:
         self.copies = world()[1]
+        self.placements = ("Replicate(world)",)
         self.mesh_shape = (self.copies,)
 
     def piece(self) -> Piece:
@@ -156,17 +146,17 @@ class WholeParam(OriginalParam):
         return full.cpu() if to_cpu else full
 
 
+@dataclass(eq=False, repr=False)
 class ShardedParam(OriginalParam):
     """A DTensor parameter: this rank holds its local block (``fully_shard`` pads it to
     ``padded_numel`` elements in storage)."""
 
-    kind = "dtensor"
+    padded_numel: int | None = None
+    kind: ClassVar[str] = "dtensor"
 
-    def __init__(self, *args: object, padded_numel: int | None = None, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __post_init__(self) -> None:
         tensor = self.tensor
         assert isinstance(tensor, DTensor)
-        self.padded_numel = padded_numel
         facts = _mesh_facts(tensor.device_mesh, tuple(tensor.placements))
         self.split_groups, self.copies, self.placements, self.mesh_shape = facts
 
@@ -234,16 +224,18 @@ class FlatShard:
     replicas: int
 
 
+@dataclass(eq=False, repr=False)
 class FlatShardParam(OriginalParam):
     """An original parameter inside torch FSDP1's ``FlatParameter``: this rank holds a run
     of its flattened elements (possibly none), the same run as the other ranks of its
     replica group (``HYBRID_SHARD``), all of it under ``NO_SHARD``."""
 
-    kind = "fsdp1"
+    shard: FlatShard | None = None
+    kind: ClassVar[str] = "fsdp1"
 
-    def __init__(self, *args: object, shard: FlatShard, **kwargs: object):
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.shard = shard
+    def __post_init__(self) -> None:
+        shard = self.shard
+        assert shard is not None
         group = shard.shard_group
         self.split_groups = () if group is None else (group,)
         shard_size = 1 if group is None else dist.get_world_size(group)

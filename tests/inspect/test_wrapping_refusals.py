@@ -40,18 +40,22 @@ class Flattening(nn.Module):
         return self.module(x)
 
 
-class Renaming(nn.Module):
-    """Lists the model's parameters under names of its choosing."""
+class Holder(nn.Module):
+    """Holds the model in an attribute and shards nothing."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.inner = module
+        self.net = module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)
+        return self.net(x)
+
+
+class Renaming(Holder):
+    """Lists the model's parameters under names of its choosing."""
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
-        for name, param in self.inner.named_parameters():
+        for name, param in self.net.named_parameters():
             yield f"shard_{name}", param
 
 
@@ -114,17 +118,6 @@ def test_every_probe_refuses_a_wrapping_it_does_not_understand(wrapping):
         assert f"the parameters {holder} holds" in message, (probe_name, message)
         assert reason in message, (probe_name, message)
         assert "DistributedDataParallel" in message  # what is understood
-
-
-class Holder(nn.Module):
-    """Holds the model in an attribute and shards nothing."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.net = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 def test_a_wrapper_that_only_holds_the_model_passes_with_its_attribute_in_the_names():
