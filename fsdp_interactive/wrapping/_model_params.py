@@ -18,7 +18,7 @@ from fsdp_interactive._torch_compat import (
     local_tensor,
     padded_shard_numels,
 )
-from fsdp_interactive.wrapping._fsdp1 import Fsdp1Index, index_fsdp1
+from fsdp_interactive.wrapping._fsdp1 import Fsdp1Index, Fsdp1Original, index_fsdp1
 from fsdp_interactive.wrapping._names import PathCleaner, peel, registered_parameters, wrapped_inner
 from fsdp_interactive.wrapping._param import (
     FlatShardParam,
@@ -174,7 +174,7 @@ def model_params(model: nn.Module) -> ModelParams:
     hidden = [path for key, path in registered.items() if key not in seen]
     if hidden:
         raise _renamed(root, hidden[0], "is registered but not listed by named_parameters()")
-    _check_views(root, params, {key: path for key, path in registered.items()})
+    _check_views(root, params, registered)
     result = ModelParams(model, cleaner, prefix, params)
     logger.debug(
         "model_params(%s): %d parameters, wrapped by %s",
@@ -236,7 +236,7 @@ def _originals(
     return [WholeParam(*common, None, tensor)]
 
 
-def _flat_original(prefix: str, entry: object, requires_grad: bool) -> FlatShardParam:
+def _flat_original(prefix: str, entry: Fsdp1Original, requires_grad: bool) -> FlatShardParam:
     return FlatShardParam(
         entry.clean_name,
         prefix + entry.wrapped_name,

@@ -221,7 +221,13 @@ def _torch_truth(
             for name, p in holder.named_parameters()
         ]
 
-    return Wrapped(model, lambda: float(norm()), full, grads, local_data)
+    def total() -> float:
+        value = norm()
+        # Over DTensor gradients the total is a DTensor too, pending its reduction on older
+        # torch releases (a Partial placement: float() would read this rank's part).
+        return float(value.full_tensor() if isinstance(value, DTensor) else value)
+
+    return Wrapped(model, total, full, grads, local_data)
 
 
 def _fabric(base: nn.Module, strategy: str) -> Wrapped:
