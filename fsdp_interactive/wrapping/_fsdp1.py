@@ -56,15 +56,16 @@ class Fsdp1Index:
         return bool(self.by_flat_param)
 
 
-def index_fsdp1(root: nn.Module, cleaner: PathCleaner) -> Fsdp1Index:
-    """The :class:`Fsdp1Index` of every torch FSDP1 unit under ``root`` (no communication).
+def index_fsdp1(modules: list[tuple[str, nn.Module]], cleaner: PathCleaner) -> Fsdp1Index:
+    """The :class:`Fsdp1Index` of every torch FSDP1 unit among ``modules`` (a root's
+    ``named_modules()``; no communication).
 
     ``UnsupportedWrapping`` for a unit whose ranks, with their replicas, do not make up the
     default group (each piece's copies are counted over it).
     """
     index = Fsdp1Index({}, {})
     world_size = world()[1]
-    for path, module in root.named_modules():
+    for path, module in modules:
         if not isinstance(module, TorchFSDP):
             continue
         held = fsdp1_flat_param(module)

@@ -46,15 +46,17 @@ class ModelParams(Mapping[str, OriginalParam]):
     """
 
     def __init__(
-        self, model: nn.Module, cleaner: PathCleaner, prefix: str, params: list[OriginalParam]
+        self,
+        cleaner: PathCleaner,
+        prefix: str,
+        params: list[OriginalParam],
+        wrappers: tuple[str, ...],
     ):
         self._cleaner = cleaner
         self._prefix = prefix
         self._params = {p.fqn: p for p in params}
         self._wrapped = {p.wrapped_name: p.fqn for p in params}
-        self.wrappers = tuple(
-            dict.fromkeys(type(m).__name__ for m in model.modules() if wrapped_inner(m) is not None)
-        )
+        self.wrappers = wrappers
 
     def __getitem__(self, fqn: str) -> OriginalParam:
         return self._params[fqn]
@@ -156,13 +158,14 @@ def model_params(model: nn.Module) -> ModelParams:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    root, prefix, _ = peel(model)
-    _check_data_parallel_groups(root)
+    root, prefix, outer = peel(model)
+    modules = list(root.named_modules())
+    _check_data_parallel_groups(modules)
     cleaner = PathCleaner(root)
-    fsdp1 = index_fsdp1(root, cleaner)
+    fsdp1 = index_fsdp1(modules, cleaner)
     padded = padded_shard_numels(root)
-    units = dtensor_units(root, cleaner)
     registered = {id(p): path for path, p in registered_parameters(root)}
+    units = dtensor_units(modules, registered, cleaner)
     params: list[OriginalParam] = []
     seen: set[int] = set()
     for name, tensor in root.named_parameters():
@@ -174,8 +177,9 @@ def model_params(model: nn.Module) -> ModelParams:
     hidden = [path for key, path in registered.items() if key not in seen]
     if hidden:
         raise _renamed(root, hidden[0], "is registered but not listed by named_parameters()")
-    _check_views(root, params, registered)
-    result = ModelParams(model, cleaner, prefix, params)
+    _check_views(root, modules, params, registered)
+    inner = (type(m).__name__ for _, m in modules if wrapped_inner(m) is not None)
+    result = ModelParams(cleaner, prefix, params, tuple(dict.fromkeys([*outer, *inner])))
     logger.debug(
         "model_params(%s): %d parameters, wrapped by %s",
         type(model).__name__,
@@ -253,8 +257,10 @@ def _clean_name(cleaner: PathCleaner, root: nn.Module, name: str, path: str) -> 
     """The clean name of the parameter ``named_parameters()`` calls ``name``, which must be
     the clean form of the path where it is registered."""
     try:
-        clean = cleaner.clean(name)
-        same = name == path or cleaner.clean(path) == clean
+        clean = cleaner.clean(path)
+        # named_parameters() names it where it is registered, or by that clean name (this
+        # package's wrapper), or by another path that cleans to the same name.
+        same = name in (path, clean) or cleaner.clean(name) == clean
     except AttributeError:
         same = False
     if not same:
@@ -289,10 +295,10 @@ def _check_plain(root: nn.Module, name: str, path: str, tensor: torch.Tensor) ->
             raise UnsupportedWrapping(owner_class(root, path), f"{name!r}: {meaning}")
 
 
-def _check_data_parallel_groups(root: nn.Module) -> None:
+def _check_data_parallel_groups(modules: list[tuple[str, nn.Module]]) -> None:
     """Refuse DDP over part of the default group: its replicas are counted over all of it."""
     world_size = world()[1]
-    for module in root.modules():
+    for _, module in modules:
         if isinstance(module, DistributedDataParallel) and world_size > 1:
             size = dist.get_world_size(module.process_group)
             if size != world_size:
@@ -302,7 +308,12 @@ def _check_data_parallel_groups(root: nn.Module) -> None:
                 )
 
 
-def _check_views(root: nn.Module, params: list[OriginalParam], paths: dict[int, str]) -> None:
+def _check_views(
+    root: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    params: list[OriginalParam],
+    paths: dict[int, str],
+) -> None:
     """Refuse plain tensor attributes that view a registered parameter's storage
     (``paths``: id(parameter) -> where it is registered)."""
     storages: dict[int, OriginalParam] = {}
@@ -314,7 +325,7 @@ def _check_views(root: nn.Module, params: list[OriginalParam], paths: dict[int, 
             storages[local.untyped_storage().data_ptr()] = p
     if not storages:
         return
-    for module_path, module in root.named_modules():
+    for module_path, module in modules:
         for attribute, value in vars(module).items():
             if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
                 continue
@@ -330,21 +341,26 @@ def _check_views(root: nn.Module, params: list[OriginalParam], paths: dict[int, 
                 )
 
 
-def dtensor_units(root: nn.Module, cleaner: PathCleaner) -> dict[int, str]:
-    """id(DTensor parameter) -> clean FQN of the FSDP unit managing it (``""``: the root).
+def dtensor_units(
+    modules: list[tuple[str, nn.Module]], registered: dict[int, str], cleaner: PathCleaner
+) -> dict[int, str]:
+    """id(parameter) -> clean FQN of the FSDP unit managing it (``""``: the root), for the
+    parameters registered at ``registered``'s paths.
 
-    A unit is a module ``fully_shard`` was applied to; it manages the DTensor parameters
-    below it that no nested unit manages, so each parameter goes to its nearest unit above
-    it. Parameters no unit manages (plain tensors, ignored ones) are absent.
+    A unit is a module ``fully_shard`` was applied to; it manages the parameters below it
+    that no nested unit manages, so each parameter goes to its nearest unit above it (by
+    the path where it is registered). Only DTensor parameters are given to units: plain
+    tensors (ignored ones) and torch FSDP1's are left out here.
     """
-    found = [(path, m) for path, m in root.named_modules() if isinstance(m, FSDPModule)]
+    unit_paths = {path for path, m in modules if isinstance(m, FSDPModule)}
+    if not unit_paths:
+        return {}
     owner: dict[int, str] = {}
-    # Deepest units first: a parameter belongs to the nearest unit above it.
-    for path, unit in sorted(found, key=lambda item: -len(item[0])):
-        name = None
-        for param in unit.parameters():
-            if isinstance(param, DTensor) and id(param) not in owner:
-                if name is None:
-                    name = cleaner.clean(path)
-                owner[id(param)] = name
+    for key, path in registered.items():
+        above = path
+        while above:
+            above = above.rpartition(".")[0]
+            if above in unit_paths:
+                owner[key] = cleaner.clean(above)
+                break
     return owner

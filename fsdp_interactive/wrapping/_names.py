@@ -14,6 +14,7 @@ spelling, so that it also sees FSDP1's level below a checkpoint wrapper (which
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 
@@ -45,12 +46,22 @@ LIGHTNING_INNER = "_forward_module"
 
 def lightning_inner(module: nn.Module) -> nn.Module | None:
     """The module a Lightning wrapper holds, when ``module`` is one, else ``None``."""
+    if isinstance(module, _lightning_classes(len(sys.modules))):
+        return submodule_slots(module).get(LIGHTNING_INNER)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _lightning_classes(imported: int) -> tuple[type, ...]:
+    """Lightning's wrapper classes among the imported modules (``imported``: how many
+    modules are imported, so that an import since the last call is seen)."""
+    found = []
     for module_name, class_name in LIGHTNING_WRAPPERS:
         source = sys.modules.get(module_name)
         cls = getattr(source, class_name, None) if source is not None else None
-        if cls is not None and isinstance(module, cls):
-            return submodule_slots(module).get(LIGHTNING_INNER)
-    return None
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
 
 
 def wrapped_inner(module: nn.Module) -> nn.Module | None:
@@ -94,6 +105,7 @@ class PathCleaner:
     def __init__(self, root: nn.Module):
         self._levels: dict[str, tuple[object, str]] = {"": (root, "")}
         self._inner: dict[int, nn.Module | None] = {}
+        self._modifiers: dict[int, dict[str, str]] = {}
 
     def clean(self, path: str) -> str:
         if not path:
@@ -112,6 +124,14 @@ class PathCleaner:
             self._inner[id(here)] = wrapped_inner(here)
         return self._inner[id(here)]
 
+    def _modifiers_of(self, here: object) -> dict[str, str]:
+        """``here._fqn_modifiers()`` (``{}`` without one), asked once per module: a module
+        may list every child in it."""
+        if id(here) not in self._modifiers:
+            method = getattr(here, FQN_MODIFIERS_METHOD, None)
+            self._modifiers[id(here)] = method() if callable(method) else {}
+        return self._modifiers[id(here)]
+
     def _level(self, path: str) -> tuple[object, str]:
         """(the object at ``path``, its clean path)."""
         known = self._levels.get(path)
@@ -123,8 +143,7 @@ class PathCleaner:
         if inner is not None and submodule_slots(here).get(segment) is inner:
             found: tuple[object, str] = (inner, clean)
         else:
-            modifiers = getattr(here, FQN_MODIFIERS_METHOD, None)
-            hidden = modifiers().get(segment) if callable(modifiers) else None
+            hidden = self._modifiers_of(here).get(segment)
             if hidden and hasattr(here, hidden):
                 here = getattr(here, hidden)
             found = (getattr(here, segment), f"{clean}.{segment}" if clean else segment)
