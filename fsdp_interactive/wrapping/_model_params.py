@@ -308,6 +308,10 @@ def _check_data_parallel_groups(modules: list[tuple[str, nn.Module]]) -> None:
                 )
 
 
+#: What ``nn.Module.__init__`` puts in every module's ``__dict__`` (never a tensor).
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
 def _check_views(
     root: nn.Module,
     modules: list[tuple[str, nn.Module]],
@@ -327,7 +331,9 @@ def _check_views(
         return
     for module_path, module in modules:
         for attribute, value in vars(module).items():
-            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            if attribute in _MODULE_STATE or not isinstance(value, torch.Tensor):
+                continue
+            if isinstance(value, nn.Parameter):
                 continue
             if not value.numel() or value.device.type == "meta":
                 continue
