@@ -31,9 +31,9 @@ def reduce_grad_stats(params: ModelParams, norm_type: float) -> GradStats:
     whatever wraps it. One all-gather of a few numbers per parameter over the default group;
     every rank of it must call.  Each rank contributes its piece of each gradient's
     ``sum |g|^p`` (``max |g|`` for ``norm_type=inf``) divided by how many ranks hold the
-    same piece, so replicated pieces count once; every rank then combines the gathered rows in rank order, so all ranks get
-    bit-identical results.  Parameters without a gradient on every rank get norm 0 and
-    has-grad 0.  Returns float64 CPU tensors.
+    same piece, so replicated pieces count once; every rank then combines the gathered rows
+    in rank order, so all ranks get bit-identical results.  Parameters without a gradient on
+    every rank get norm 0 and has-grad 0.  Returns float64 CPU tensors.
 
     Precision: each shard's norm is taken in float32 (as ``clip_grad_norm_`` takes it) and
     combined in float64; a shard whose float32 norm is not finite is measured again in

@@ -7,7 +7,8 @@ activation checkpointing's ``_checkpoint_wrapped_module``, and the levels a modu
 ``_fqn_modifiers()``. :class:`PathCleaner` does the same for any path (modules too), telling
 a wrapper's level by the object it leads to (the module the wrapper holds), not by its
 spelling, so that it also sees FSDP1's level below a checkpoint wrapper (which
-``_get_fqns`` takes for a module's name, while the state dict's keys leave it out). Lightning's wrappers (Fabric's ``_FabricModule``, the Trainer's
+``_get_fqns`` takes for a module's name, while the state dict's keys leave it out).
+Lightning's wrappers (Fabric's ``_FabricModule``, the Trainer's
 ``_LightningModuleWrapperBase``) are peeled off the top (:func:`peel`): their
 ``state_dict()`` is the wrapped module's, so the clean names are that module's.
 """
