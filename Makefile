@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,frameworks]'
 	touch $(STAMP)
 
 setup: $(STAMP)

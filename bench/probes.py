@@ -16,17 +16,21 @@ rank and pulls its plain-data answer):
   kernel.  It does not depend on ``P`` and is measured once per world size.
 
 At real sizes, on 2 ranks: GPT-2 small built from its config with ``transformers`` (124M
-parameters in 148 tensors, one unit per block, after one forward and backward), the same
-four probes, the summon statistics of ``transformer.wte.weight`` (the 50257 x 768 token
-embedding, 38.6M elements).  ``--quick`` keeps 1 of its 12 blocks (the embedding at full
-size) and runs the forward without gradients (the grad norms then find none): the
-backward's reduce-scatter of the embedding's gradient alone takes seconds on CPU ranks.
-Without ``transformers`` (the ``hf`` extra) the case is reported unavailable.
+parameters in 148 tensors, one unit per block, after one forward and backward), wrapped
+two ways: by ``FullyShardedDataParallel`` (ours: DTensor parameters) and by torch's own
+FSDP1 with flat parameters (``use_orig_params=False``, the probes reading each original
+parameter from the flat parameters' bookkeeping); the same four probes, the summon
+statistics of ``transformer.wte.weight`` (the 50257 x 768 token embedding, 38.6M
+elements).  ``--quick`` keeps 1 of its 12 blocks (the embedding at full size) and runs the
+forward without gradients (the grad norms then find none): the backward's reduce-scatter
+of the embedding's gradient alone takes seconds on CPU ranks.  Without ``transformers``
+(the ``hf`` extra) the cases are reported unavailable.  ``--gpt2`` runs these two cases
+only.
 
 The probes take turns, sample by sample.  Targets: each probe at most 250 ms at 300
 parameters on 4 ranks, and growing no faster than linearly with the parameter count
-(log-log slope at most 1 between 30 and 3,000 parameters); the summon statistics of
-GPT-2 small's embedding at most 1 s on 2 ranks.
+(log-log slope at most 1 between 30 and 3,000 parameters); each probe of GPT-2 small at
+most 1 s on 2 ranks, whichever wraps it.
 """
 
 from __future__ import annotations
@@ -72,14 +76,26 @@ del _t, _nn, _FSDP, _Policy
 GPT2_TENSOR = "transformer.wte.weight"
 GPT2_CASE = "2 ranks, GPT-2 small"
 GPT2_LIMIT_S = 1.0
+#: How each GPT-2 case wraps the model (``{policy}``: the auto-wrap policy's name).
+GPT2_WRAPPINGS = {
+    "DTensor": (
+        "from fsdp_interactive.fsdp import FullyShardedDataParallel as _FSDP\n",
+        "_FSDP(_GPT2(_Config(n_layer={layers})), auto_wrap_policy=_Policy({{_Block}}), "
+        "use_orig_params=True)",
+    ),
+    "torch FSDP1 (flat)": (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP\n",
+        "_FSDP(_GPT2(_Config(n_layer={layers})), auto_wrap_policy=_Policy({{_Block}}), "
+        "device_id=_t.device('cpu'), use_orig_params=False)",
+    ),
+}
 _BUILD_GPT2 = """
 import torch as _t
 from transformers import GPT2Config as _Config, GPT2LMHeadModel as _GPT2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block as _Block
-from fsdp_interactive.fsdp import FullyShardedDataParallel as _FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy as _Policy
+{wrapper_import}from torch.distributed.fsdp.wrap import ModuleWrapPolicy as _Policy
 _t.manual_seed(0)
-gpt2 = _FSDP(_GPT2(_Config(n_layer={layers})), auto_wrap_policy=_Policy({{_Block}}), use_orig_params=True)
+gpt2 = {wrapped}
 _tokens = _t.randint(0, gpt2.config.vocab_size, (2, 16))
 if {backward}:
     gpt2(_tokens, labels=_tokens).loss.backward()
@@ -88,6 +104,18 @@ else:
         gpt2(_tokens)
 del _t, _Config, _GPT2, _Block, _FSDP, _Policy, _tokens
 """
+
+
+def gpt2_build(wrapping: str, layers: int, backward: bool) -> str:
+    """The cell that builds GPT-2 small as ``gpt2`` on the ranks, wrapped as ``wrapping``."""
+    wrapper_import, wrapped = GPT2_WRAPPINGS[wrapping]
+    return _BUILD_GPT2.format(
+        wrapper_import=wrapper_import,
+        wrapped=wrapped.format(layers=layers),
+        backward=backward,
+    )
+
+
 _BUILD_BIG = """
 import torch as _t
 from fsdp_interactive.fsdp import FullyShardedDataParallel as _FSDP
@@ -157,7 +185,8 @@ def run(settings: Settings) -> FigureResult:
                     result.measurements[f"{world} ranks, {params} parameters: {name}"] = stat
                 pool.run("del model", stream=False)
             if world == 2:
-                result.comparisons.append(_gpt2_case(pool, settings.quick, reps, result))
+                for wrapping in GPT2_WRAPPINGS:
+                    result.comparisons += _gpt2_case(pool, settings.quick, reps, result, wrapping)
             pool.run(_BUILD_BIG, stream=False, timeout=300)
             quiet_cell(shell, PULL_CELL)
             pulls[world] = Stat(
@@ -206,49 +235,70 @@ def run(settings: Settings) -> FigureResult:
     return result
 
 
-def _gpt2_case(pool: Any, quick: bool, reps: int, result: FigureResult) -> Comparison:
-    """The four probes on GPT-2 small at 2 ranks (``reps`` alternated samples each after a
-    warm-up call); adds measurements and a note, returns the summon statistics against 1 s."""
+def _gpt2_case(
+    pool: Any, quick: bool, reps: int, result: FigureResult, wrapping: str
+) -> list[Comparison]:
+    """The four probes on GPT-2 small at 2 ranks, wrapped as ``wrapping`` (``reps``
+    alternated samples each after a warm-up call); adds measurements and a note, returns
+    each probe against 1 s."""
     from fsdp_interactive.notebook.rank_model import RankModel
 
-    subject = f"summon stats of {GPT2_TENSOR} (ours)"
-    budget = Stat([GPT2_LIMIT_S], "s")
+    case = f"{GPT2_CASE}, {wrapping}"
     unavailable = missing("transformers", "GPT2Config", "GPT2LMHeadModel")
     if unavailable:
-        result.notes.append(f"{GPT2_CASE}: {unavailable} (install the hf extra)")
-        return Comparison(
-            result.key,
-            GPT2_CASE,
-            subject,
-            "1 s budget",
-            None,
-            budget,
-            None,
-            unavailable=unavailable,
-        )
+        result.notes.append(f"{case}: {unavailable} (install the hf extra)")
+        return [_within_a_second(result.key, case, name, None, unavailable) for name in PROBES]
     layers = 1 if quick else 12
-    pool.run(_BUILD_GPT2.format(layers=layers, backward=not quick), stream=False, timeout=600)
+    pool.run(gpt2_build(wrapping, layers, not quick), stream=False, timeout=600)
     try:
         probe = RankModel(pool, "gpt2", timeout=300)
         tensors = len(probe.layout().params)
         samples = _rotated_samples(_probe_calls(probe, GPT2_TENSOR), reps)
     finally:
         pool.run("del gpt2", stream=False)
-    label = f"{GPT2_CASE} ({layers} of 12 blocks, {tensors} tensors)"
-    for name, values in samples.items():
+    label = f"{case} ({layers} of 12 blocks, {tensors} tensors)"
+    stats = {name: Stat(values, "s") for name, values in samples.items()}
+    for name, stat in stats.items():
         what = f"summon stats of {GPT2_TENSOR}" if name == "summon stats" else name
-        result.measurements[f"{label}: {what}"] = Stat(values, "s")
-    summon = Stat(samples["summon stats"], "s")
+        result.measurements[f"{label}: {what}"] = stat
     result.notes.append(
         f"{label}: summon statistics of {GPT2_TENSOR} (38.6M elements) "
-        f"{summon.median * 1e3:.0f} ms median (target <= {GPT2_LIMIT_S:g} s); layout "
-        f"{Stat(samples['layout'], 's').median * 1e3:.0f} ms, grad norms "
-        f"{Stat(samples['grad norms'], 's').median * 1e3:.0f} ms, memory "
-        f"{Stat(samples['memory'], 's').median * 1e3:.0f} ms."
+        f"{stats['summon stats'].median * 1e3:.0f} ms median; layout "
+        f"{stats['layout'].median * 1e3:.0f} ms, grad norms "
+        f"{stats['grad norms'].median * 1e3:.0f} ms, memory "
+        f"{stats['memory'].median * 1e3:.0f} ms (target <= {GPT2_LIMIT_S:g} s each)."
     )
+    return [_within_a_second(result.key, case, name, stats[name]) for name in PROBES]
+
+
+def _within_a_second(
+    key: str, case: str, probe: str, measured: Stat | None, unavailable: str | None = None
+) -> Comparison:
+    """``probe`` on GPT-2 small against its 1 s budget (``None`` measured: unavailable)."""
     return Comparison(
-        result.key, GPT2_CASE, subject, "1 s budget", summon, budget, Target("<=", 1.0)
+        key,
+        case,
+        f"{probe} probe (ours)",
+        "1 s budget",
+        measured,
+        Stat([GPT2_LIMIT_S], "s"),
+        None if unavailable else Target("<=", 1.0),
+        unavailable=unavailable,
     )
+
+
+def run_gpt2(settings: Settings) -> FigureResult:
+    """Probes on GPT-2 small at 2 ranks only, wrapped by ours (DTensor) and by torch FSDP1."""
+    result = FigureResult("probes", "Probes behind the views (round trip from the kernel)")
+    unavailable = missing("fsdp_interactive.pool", "Pool") or magic_unavailable()
+    if unavailable:
+        raise RuntimeError(f"the probes figure needs the pool and the magics: {unavailable}")
+    reps = 3 if settings.quick else 7
+    result.notes.append(f"{reps} alternated samples per probe after one warm-up call each.")
+    with ipython_shell() as shell, magic_pool(shell, 2) as pool:
+        for wrapping in GPT2_WRAPPINGS:
+            result.comparisons += _gpt2_case(pool, settings.quick, reps, result, wrapping)
+    return result
 
 
 def _budget_comparisons(
@@ -315,4 +365,9 @@ def _verdicts(
 
 
 if __name__ == "__main__":
-    raise SystemExit(figure_main(run))
+    import sys
+
+    arguments = sys.argv[1:]
+    only_gpt2 = "--gpt2" in arguments
+    arguments = [a for a in arguments if a != "--gpt2"]
+    raise SystemExit(figure_main(run_gpt2 if only_gpt2 else run, arguments))

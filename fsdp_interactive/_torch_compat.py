@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -389,6 +390,69 @@ def training_state_name(module: FSDPModule) -> str:
     checked: 2.9.1, 2.13.0, 2.14.1 (these four states on each)
     """
     return module._get_fsdp_state()._training_state.name
+
+
+# ---------------------------------------------------------------------------- torch FSDP1
+
+#: ``torch.distributed.fsdp._flat_param.FlatParameter``: torch FSDP1's flat parameter (an
+#: ``isinstance`` check; instances are ``nn.Parameter``s). checked: 2.9.1, 2.13.0, 2.14.1
+FlatParameter: type = _torch_name("torch.distributed.fsdp._flat_param", "FlatParameter")
+
+
+def fsdp1_flat_param(module: nn.Module) -> tuple[Any, torch.Tensor] | None:
+    """The ``FlatParameter`` torch's FSDP1 ``module`` manages itself and this rank's shard of
+    it, padding included, also while unsharded (``module._handle.flat_param``,
+    ``_local_shard``, set at the first forward; the parameter's data before it, which FSDP1
+    sharded at construction; the whole of it under NO_SHARD); ``None`` when it manages none.
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    handle = module._handle
+    if handle is None:
+        return None
+    flat_param = handle.flat_param
+    return flat_param, vars(flat_param).get("_local_shard", flat_param.data)
+
+
+def fsdp1_pieces(flat_param: Any) -> list[tuple[str, torch.Size, int, int, int, Any]]:
+    """Per original parameter of ``flat_param``, in order: (FQN below the unit's wrapped
+    module, shape, where this rank's piece starts in the local shard, where it starts in
+    the flattened parameter, its length, the original ``nn.Parameter`` under
+    ``use_orig_params=True`` else ``None``); ``(0, 0, 0)`` where this rank holds none of
+    it (``_fqns``, ``_shapes``, ``_shard_param_infos``, ``_params``).
+    checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    originals = flat_param._params or [None] * len(flat_param._fqns)
+    infos = flat_param._shard_param_infos
+    return [
+        (fqn, shape, i.offset_in_shard, i.intra_param_start_idx, i.numel_in_shard, original)
+        if i.in_shard
+        else (fqn, shape, 0, 0, 0, original)
+        for fqn, shape, i, original in zip(
+            flat_param._fqns, flat_param._shapes, infos, originals, strict=True
+        )
+    ]
+
+
+def fsdp1_replicate_group(module: nn.Module) -> Any:
+    """The group torch FSDP1 ``module`` reduces over between HYBRID_SHARD replicas
+    (``_inter_node_pg``), else ``None``. checked: 2.9.1, 2.13.0, 2.14.1"""
+    return vars(module).get("_inter_node_pg")
+
+
+def is_fsdp1_managed(tensor: torch.Tensor) -> bool:
+    """Whether torch FSDP1 flattened or made ``tensor`` (``_fsdp_flattened``).
+    checked: 2.9.1, 2.13.0, 2.14.1"""
+    return bool(getattr(tensor, "_fsdp_flattened", False))
+
+
+def compiled_module_inner(module: nn.Module) -> nn.Module | None:
+    """What ``torch.compile`` compiled when ``module`` is its ``OptimizedModule``
+    (``torch._dynamo.eval_frame``, ``_orig_mod``), else ``None``; never imports dynamo
+    (without it nothing is compiled). checked: 2.9.1, 2.13.0, 2.14.1
+    """
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = frames is not None and isinstance(module, frames.OptimizedModule)
+    return module._orig_mod if compiled else None
 
 
 # ---------------------------------------------------------------------------- checkpoints

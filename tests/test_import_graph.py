@@ -46,22 +46,25 @@ LAYERS: dict[str, int] = {
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
-    # rank side, built on fsdp
-    "inspect": 2,
-    "checkpoint": 2,
+    # rank side: how a model is wrapped (every original parameter, wherever it is held)
+    "wrapping": 2,
+    # rank side, built on fsdp and wrapping
+    "inspect": 3,
+    "checkpoint": 3,
     # the pool (notebook side, and its rank side): drives the rank-side packages, e.g. a
     # recovery restores a snapshot with checkpoint's functions
-    "pool": 3,
+    "pool": 4,
     # notebook side: magics, widgets and plots
-    "notebook": 4,
+    "notebook": 5,
     # entry points
-    "demo": 5,
-    "cli": 6,
-    "__init__": 7,
-    "__main__": 7,
+    "demo": 6,
+    "cli": 7,
+    "__init__": 8,
+    "__main__": 8,
 }
 RANK_SIDE = (
     "fsdp",
+    "wrapping",
     "inspect",
     "checkpoint",
     "examples",

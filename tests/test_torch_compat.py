@@ -353,6 +353,94 @@ def test_sharded_tensor_entries(ranks2):
         assert r == {"is_sharded_tensor": True, "group_is_the_world": True, "local_rows": 2}
 
 
+def _fsdp1_probe(use_orig_params: bool) -> dict:
+    """On each rank: torch FSDP1 over uneven shapes, read through the FSDP1 entries and
+    compared with what FSDP1's own summon_full_params shows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    inner = FSDP(nn.Linear(3, 5), device_id=cpu, use_orig_params=use_orig_params)
+    model = FSDP(
+        nn.Sequential(inner, nn.Linear(5, 2)), device_id=cpu, use_orig_params=use_orig_params
+    )
+    model(torch.randn(4, 3)).sum().backward()
+    flat, local = compat.fsdp1_flat_param(inner)
+    pieces = compat.fsdp1_pieces(flat)
+    with FSDP.summon_full_params(model, writeback=False):
+        full = {name: p.detach().reshape(-1).clone() for name, p in inner.named_parameters()}
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s"))
+    hybrid = FSDP(
+        nn.Linear(2, 2),
+        device_id=cpu,
+        device_mesh=mesh,
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+    )
+    registered = dict(inner.named_parameters())
+    before_forward = compat.fsdp1_flat_param(hybrid)
+    return {
+        "flat_is_flat": isinstance(flat, compat.FlatParameter),
+        "names": [(fqn, tuple(shape)) for fqn, shape, *_ in pieces],
+        "pieces_hold_the_summoned": all(
+            torch.equal(local[offset : offset + n], full[fqn][start : start + n])
+            for fqn, _, offset, start, n, _ in pieces
+        ),
+        "held": sum(n for *_, n, _ in pieces),
+        "originals": [
+            original is registered.get(f"_fsdp_wrapped_module.{fqn}")
+            if use_orig_params
+            else original is None
+            for fqn, *_, original in pieces
+        ],
+        "root_holds_its_own": compat.fsdp1_flat_param(model) is not None,
+        "before_forward": before_forward[1] is before_forward[0].data
+        or torch.equal(before_forward[1], before_forward[0].data),
+        "replicate": (
+            compat.fsdp1_replicate_group(inner),
+            dist.get_world_size(compat.fsdp1_replicate_group(hybrid)),
+        ),
+        "managed": (
+            compat.is_fsdp1_managed(flat),
+            all(compat.is_fsdp1_managed(p) for p in registered.values()),
+            compat.is_fsdp1_managed(torch.zeros(1)),
+        ),
+    }
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_flat_parameter_entries(ranks2, use_orig_params):
+    held = 0
+    for r in ranks2.run(_fsdp1_probe, use_orig_params):
+        assert r["flat_is_flat"] and r["pieces_hold_the_summoned"]
+        assert r["names"] == [("weight", (5, 3)), ("bias", (5,))]
+        assert r["originals"] == [True, True]
+        assert r["root_holds_its_own"]  # the root manages the second Linear itself
+        assert r["before_forward"]
+        assert r["replicate"] == (None, 1)
+        assert r["managed"] == (True, True, False)
+        held += r["held"]
+    assert held == 20  # every element on exactly one of the 2 ranks
+
+
+def test_compiled_module_inner_finds_the_compiled_module_without_importing_dynamo():
+    import subprocess
+    import sys
+
+    linear = nn.Linear(2, 2)
+    assert compat.compiled_module_inner(linear) is None
+    assert compat.compiled_module_inner(torch.compile(linear, backend="eager")) is linear
+    code = (
+        "import sys, torch, fsdp_interactive._torch_compat as c\n"
+        "c.compiled_module_inner(torch.nn.Linear(1, 1))\n"
+        "print('torch._dynamo.eval_frame' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_version_counter_counts_in_place_writes_through_views():
     tensor = torch.zeros(4)
     before = compat.version_counter(tensor)

@@ -10,13 +10,8 @@ from torch import nn
 
 from fsdp_interactive._torch_compat import foreach_norm
 from fsdp_interactive.fsdp._comm_device import comm_device
-from fsdp_interactive.inspect._dtensor import (
-    local_tensor,
-    named_parameters,
-    replication,
-    unit_names,
-)
 from fsdp_interactive.inspect._records import GradNorms, combine_norms
+from fsdp_interactive.wrapping import ModelParams, model_params
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -29,15 +24,16 @@ def _check_norm_type(norm_type: float) -> float:
 GradStats = tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def reduce_grad_stats(model: nn.Module, norm_type: float) -> GradStats:
+def reduce_grad_stats(params: ModelParams, norm_type: float) -> GradStats:
     """Per parameter: (names, norm, nan count, inf count, has-grad flag) over the full grads.
 
-    One all-gather of a few numbers per parameter over the default group; every rank of it
-    must call.  Each rank contributes its local shard's ``sum |g|^p`` (``max |g|`` for
-    ``norm_type=inf``) divided by how many ranks hold the same piece, so replicated pieces
-    count once; every rank then combines the gathered rows in rank order, so all ranks get
-    bit-identical results.  Parameters without a gradient on every rank get norm 0 and
-    has-grad 0.  Returns float64 CPU tensors.
+    ``params``: the model's original parameters (:func:`fsdp_interactive.wrapping.model_params`),
+    whatever wraps it. One all-gather of a few numbers per parameter over the default group;
+    every rank of it must call.  Each rank contributes its piece of each gradient's
+    ``sum |g|^p`` (``max |g|`` for ``norm_type=inf``) divided by how many ranks hold the
+    same piece, so replicated pieces count once; every rank then combines the gathered rows
+    in rank order, so all ranks get bit-identical results.  Parameters without a gradient on
+    every rank get norm 0 and has-grad 0.  Returns float64 CPU tensors.
 
     Precision: each shard's norm is taken in float32 (as ``clip_grad_norm_`` takes it) and
     combined in float64; a shard whose float32 norm is not finite is measured again in
@@ -46,7 +42,7 @@ def reduce_grad_stats(model: nn.Module, norm_type: float) -> GradStats:
     for a few hundred bytes it needs half the message rounds (gloo's all-reduce is a
     reduce-scatter plus an all-gather).
     """
-    names, row = local_grad_row(model, norm_type)
+    names, row = local_grad_row(params, norm_type)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return combine_grad_rows(names, row.unsqueeze(0), norm_type)
     row = row.to(comm_device(None))
@@ -55,7 +51,7 @@ def reduce_grad_stats(model: nn.Module, norm_type: float) -> GradStats:
     return combine_grad_rows(names, torch.stack(rows).cpu(), norm_type)
 
 
-def local_grad_row(model: nn.Module, norm_type: float) -> tuple[list[str], torch.Tensor]:
+def local_grad_row(params: ModelParams, norm_type: float) -> tuple[list[str], torch.Tensor]:
     """This rank's contribution to :func:`reduce_grad_stats`: parameter names and one row.
 
     The row (float64, CPU) holds per parameter the shard's power sum (or max for inf) and
@@ -64,15 +60,14 @@ def local_grad_row(model: nn.Module, norm_type: float) -> tuple[list[str], torch
     names: list[str] = []
     counts: list[list[float]] = []  # per parameter: NaN count, Inf count, has-grad weight
     shards: list[tuple[int, torch.Tensor, int]] = []  # (index, local shard, copies)
-    for fqn, param in named_parameters(model):
+    for fqn, param in params.items():
         names.append(fqn)
         counts.append([0.0, 0.0, 0.0])
-        grad = param.grad
-        if grad is None:
+        local = param.grad_piece()
+        if local is None:
             continue
-        copies = replication(grad)
+        copies = param.copies
         counts[-1][2] = 1.0 / copies
-        local = local_tensor(grad)
         if local.numel():
             shards.append((len(names) - 1, local, copies))
     power_vec = torch.zeros(len(names), dtype=torch.float64)
@@ -130,21 +125,23 @@ def grad_norms(model: nn.Module, norm_type: float = 2.0) -> GradNorms:
     norms, over parameters that have a gradient; it agrees with clip_grad_norm_ to float32
     rounding (this probe accumulates in float64).  Gradients are only read, never clipped.
     ``units`` holds the norm over each FSDP unit's parameters (see ``GradNorms``).
-    Assumes every parameter's mesh spans the default group (true for fully_shard models).
+    Parameters are named by their clean FQNs and read through
+    :func:`fsdp_interactive.wrapping.model_params`, so the norms are the framework's own
+    (``clip_grad_norm_`` of torch FSDP1, DDP, a compiled model) whatever wraps the model;
+    a wrapping it does not understand raises ``UnsupportedWrapping``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"grad_norms(model): model must be an nn.Module, got {type(model).__name__}"
         )
     norm_type = _check_norm_type(norm_type)
-    names, norms, nans, infs, has_grad = reduce_grad_stats(model, norm_type)
+    params = model_params(model)
+    names, norms, nans, infs, has_grad = reduce_grad_stats(params, norm_type)
     kept = [i for i in range(len(names)) if bool(has_grad[i])]
     kept_names = [names[i] for i in kept]
     kept_norms = [float(norms[i]) for i in kept]
     modules = module_norms(kept_names, kept_norms, norm_type)
-    owner = unit_names(model)
-    units_of = {fqn: owner[id(p)] for fqn, p in named_parameters(model) if id(p) in owner}
-    unit_of = {name: units_of[name] for name in kept_names if name in units_of}
+    unit_of = {name: params[name].unit for name in kept_names if params[name].unit is not None}
     members: dict[str, list[float]] = {}
     for name, value in zip(kept_names, kept_norms, strict=True):
         if name in unit_of:

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive._torch_compat import local_shape_and_offset, padded_shard_numels
-from fsdp_interactive.inspect._dtensor import local_tensor, named_parameters, unit_names, world
+from fsdp_interactive._torch_compat import local_shape_and_offset, local_tensor
 from fsdp_interactive.inspect._records import ParamLayout, RankLayout, ShardSlice
+from fsdp_interactive.wrapping import OriginalParam, model_params
+from fsdp_interactive.wrapping._param import world
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
@@ -21,56 +22,56 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def _param_layout(
-    fqn: str,
-    param: torch.Tensor,
-    padded: dict[int, int],
-    unit: str | None,
-    slice_cache: dict[Any, tuple[ShardSlice, ...]],
+    param: OriginalParam, slice_cache: dict[Any, tuple[ShardSlice, ...]]
 ) -> ParamLayout:
-    global_shape = tuple(int(s) for s in param.shape)
-    dtype = str(param.dtype).removeprefix("torch.")
-    if not isinstance(param, DTensor):
-        rank_count = world()[1]
-        numel = param.numel()
-        slices = tuple(
-            ShardSlice(r, global_shape, (0,) * len(global_shape), numel, numel)
-            for r in range(rank_count)
-        )
-        return ParamLayout(
-            fqn=fqn,
-            global_shape=global_shape,
-            dtype=dtype,
-            element_size=param.element_size(),
-            is_dtensor=False,
-            placements=("Replicate(world)",),
-            mesh_shape=(rank_count,),
-            mesh_dim_names=None,
-            requires_grad=param.requires_grad,
-            slices=slices,
-            unit=unit,
-        )
-    mesh = param.device_mesh
-    mesh_shape = tuple(int(s) for s in mesh.shape)
-    my_padded = padded.get(id(param))
-    # Models repeat the same shapes block after block: compute each distinct slicing once.
-    key = (global_shape, mesh, tuple(param.placements), my_padded)
-    slices = slice_cache.get(key)
-    if slices is None:
-        slices = _slices(global_shape, mesh, param.placements, my_padded)
-        slice_cache[key] = slices
+    """How ``param`` is laid out: every rank's slice where this rank can tell (a DTensor's
+    from its mesh and placements, a whole tensor's), else this rank's own (torch FSDP1)."""
+    if param.kind == "dtensor":
+        slices = _dtensor_slices(param, slice_cache)
+    elif param.kind == "fsdp1":
+        slices = (own_slice(param),)
+    else:
+        numel = param.numel
+        zeros = (0,) * len(param.shape)
+        slices = tuple(ShardSlice(r, param.shape, zeros, numel, numel) for r in range(world()[1]))
+    mesh = param.tensor.device_mesh if isinstance(param.tensor, DTensor) else None
     return ParamLayout(
-        fqn=fqn,
-        global_shape=global_shape,
-        dtype=dtype,
-        element_size=param.element_size(),
-        is_dtensor=True,
-        placements=tuple(repr(p) for p in param.placements),
-        mesh_shape=mesh_shape,
-        mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        fqn=param.fqn,
+        global_shape=param.shape,
+        dtype=str(param.dtype).removeprefix("torch."),
+        element_size=param.element_size,
+        is_dtensor=param.kind == "dtensor",
+        placements=param.placements,
+        mesh_shape=param.mesh_shape,
+        mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh and mesh.mesh_dim_names else None,
         requires_grad=param.requires_grad,
         slices=slices,
-        unit=unit,
+        unit=param.unit,
     )
+
+
+def own_slice(param: OriginalParam) -> ShardSlice:
+    """This rank's slice of ``param``, from what the adapter reads on this rank."""
+    piece = param.piece()
+    numel = piece.values.numel()
+    shape = (numel,) if piece.flat else tuple(int(s) for s in piece.values.shape)
+    stored = max(numel, param.stored_numel())
+    return ShardSlice(world()[0], shape, piece.offset, numel, stored, flat=piece.flat)
+
+
+def _dtensor_slices(
+    param: OriginalParam, slice_cache: dict[Any, tuple[ShardSlice, ...]]
+) -> tuple[ShardSlice, ...]:
+    tensor = param.tensor
+    assert isinstance(tensor, DTensor)
+    my_padded = getattr(param, "padded_numel", None)
+    # Models repeat the same shapes block after block: compute each distinct slicing once.
+    key = (param.shape, tensor.device_mesh, tuple(tensor.placements), my_padded)
+    slices = slice_cache.get(key)
+    if slices is None:
+        slices = _slices(param.shape, tensor.device_mesh, tensor.placements, my_padded)
+        slice_cache[key] = slices
+    return slices
 
 
 def _slices(
@@ -99,12 +100,17 @@ def layout(
 ) -> RankLayout:
     """Describe how ``model``'s parameters are laid out, as seen from this rank.
 
-    Works for any model whose parameters are DTensors (fully_shard, the FSDP wrapper, any
-    DTensor-parallel model) and for plain modules (every rank then holds everything).  No
-    communication: the slices of other ranks are computed from each parameter's mesh and
-    placements; the byte totals are this rank's own (merge the per-rank answers with
-    ``merge_layouts``).  Padding is known only for parameters managed by fully_shard.
-    Optimizer state counts every tensor in ``optimizer.state`` (local part of DTensors).
+    Parameters are the original ones, by clean FQN, however the model is wrapped
+    (:func:`fsdp_interactive.wrapping.model_params`: DTensor models, torch FSDP1 flat or
+    with original parameters, DDP, compiled, checkpoint-wrapped, Lightning and accelerate
+    wrappers, plain modules, where every rank holds everything); a wrapping it does not
+    understand raises ``UnsupportedWrapping``. No communication: a DTensor's slices on
+    other ranks are computed from its mesh and placements; torch FSDP1's are known to their
+    own ranks only, so each rank reports its own (``RankLayout.own_slices``) and
+    ``merge_layouts`` of every rank's answer completes them. The byte totals are this
+    rank's own: parameter storage with its padding (torch FSDP1's flat shards whole),
+    gradients, optimizer state (every tensor in ``optimizer.state``, local part of
+    DTensors) and buffers.
 
     Every rank describes the same parameters; with ``params_from_rank=r`` only rank ``r``
     does (the others return ``params=()``), which is what a caller merging all ranks'
@@ -114,18 +120,11 @@ def layout(
         raise TypeError(f"layout(model): model must be an nn.Module, got {type(model).__name__}")
     rank, world_size = world()
     describe = params_from_rank is None or params_from_rank == rank
-    padded = padded_shard_numels(model)
-    units = unit_names(model) if describe else {}
+    params = model_params(model)
     slice_cache: dict[Any, tuple[ShardSlice, ...]] = {}
-    params = []
-    param_bytes = grad_bytes = 0
-    for fqn, param in named_parameters(model):
-        if describe:
-            params.append(_param_layout(fqn, param, padded, units.get(id(param)), slice_cache))
-        stored = padded.get(id(param))
-        param_bytes += stored * param.element_size() if stored is not None else _tensor_bytes(param)
-        if param.grad is not None:
-            grad_bytes += _tensor_bytes(param.grad)
+    described = tuple(_param_layout(p, slice_cache) for p in params.values()) if describe else ()
+    own = {p.fqn: own_slice(p) for p in params.values() if p.kind == "fsdp1"}
+    param_bytes, grad_bytes = params.local_bytes()
     optim_bytes = 0
     if optimizer is not None:
         for state in optimizer.state.values():
@@ -136,10 +135,11 @@ def layout(
     return RankLayout(
         rank=rank,
         world_size=world_size,
-        params=tuple(params),
+        params=described,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optim_bytes=optim_bytes,
         buffer_bytes=buffer_bytes,
         host=socket.gethostname(),
+        own_slices=own,
     )

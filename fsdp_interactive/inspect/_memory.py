@@ -8,8 +8,8 @@ import socket
 import psutil
 import torch
 
-from fsdp_interactive.inspect._dtensor import world
 from fsdp_interactive.inspect._records import MemoryStats
+from fsdp_interactive.wrapping._param import world
 
 
 def memory() -> MemoryStats:

@@ -14,7 +14,6 @@ from torch import nn
 
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive.fsdp._comm_device import comm_device
-from fsdp_interactive.inspect._dtensor import world
 from fsdp_interactive.inspect._grad_norms import (
     GradStats,
     _check_norm_type,
@@ -24,6 +23,8 @@ from fsdp_interactive.inspect._grad_norms import (
     reduce_grad_stats,
 )
 from fsdp_interactive.inspect._records import GradNormRecord, record_to_json
+from fsdp_interactive.wrapping import ModelParams, model_params
+from fsdp_interactive.wrapping._param import world
 
 
 class GradNormRecorder:
@@ -47,6 +48,11 @@ class GradNormRecorder:
     bounds memory (oldest dropped).  If ``log_path`` is given, rank 0 also appends one JSON
     line per step to that file so that a notebook can follow a running loop; other ranks
     never write it.
+
+    The model may be wrapped in any way :func:`fsdp_interactive.wrapping.model_params`
+    understands (the norms are then the framework's own ``clip_grad_norm_``'s, modules
+    named by clean FQNs); where its parameters are is read once and again only when the
+    model's parameter objects change (a new wrapping).
     """
 
     def __init__(
@@ -77,12 +83,20 @@ class GradNormRecorder:
         self._group: dist.ProcessGroup | None = None
         self._pending: torch.futures.Future | None = None
         self._lock = threading.Lock()
+        self._params: tuple[tuple[int, ...], ModelParams] | None = None
 
     def record(self, step: int | None = None) -> GradNormRecord:
         """Reduce the current gradients' norms and append one record (a collective)."""
         self.flush()
-        stats = reduce_grad_stats(self.model, self.norm_type)
+        stats = reduce_grad_stats(self._model_params(), self.norm_type)
         return self._append(stats, self._next_step(step))
+
+    def _model_params(self) -> ModelParams:
+        """The model's parameters, read again only when its parameter objects changed."""
+        key = tuple(id(p) for p in self.model.parameters())
+        if self._params is None or self._params[0] != key:
+            self._params = (key, model_params(self.model))
+        return self._params[1]
 
     def flush(self) -> None:
         """Wait until the record of the last attached step is complete (and logged)."""
@@ -108,7 +122,7 @@ class GradNormRecorder:
             return
         self.flush()
         step = self._next_step(None)
-        names, row = local_grad_row(self.model, self.norm_type)
+        names, row = local_grad_row(self._model_params(), self.norm_type)
         row = row.to(comm_device(self._group))  # the CPU: the recorders' group is gloo
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self._group))]
         work = dist.all_gather(rows, row, group=self._group, async_op=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -24,6 +24,9 @@ class ShardSlice:
     ``offset`` is where the slice starts in the full tensor (per dimension); ``numel`` counts
     real elements, ``padded_numel`` what the rank stores (FSDP pads every shard to the size
     of the first one so that all-gathers are even; equal to ``numel`` when nothing pads).
+    ``flat`` False: the rank holds the block of ``local_shape`` at ``offset``; True: it
+    holds ``numel`` consecutive elements of the flattened (row-major) parameter from
+    ``offset`` on, stored 1-D (``local_shape == (numel,)``): torch FSDP1's flat shards.
     """
 
     rank: int
@@ -31,6 +34,7 @@ class ShardSlice:
     offset: tuple[int, ...]
     numel: int
     padded_numel: int
+    flat: bool = False
 
     @property
     def padding(self) -> int:
@@ -41,10 +45,14 @@ class ShardSlice:
 class ParamLayout:
     """How one parameter is laid out across the ranks.
 
-    ``slices`` has one entry per global rank of the parameter's mesh (a plain tensor, not a
-    DTensor, has one full slice per rank of the world: it is replicated).  ``unit`` is the
-    FQN of the FSDP unit (the module ``fully_shard`` was applied to) that manages the
-    parameter, ``""`` for the root; ``None`` when no ``fully_shard`` manages it.
+    ``fqn`` is the clean name (as ``torch.distributed.checkpoint.state_dict`` names it,
+    without wrapper levels). ``slices`` has one entry per global rank of the parameter's
+    mesh (a plain tensor, not a DTensor, has one full slice per rank of the world: it is
+    replicated); for torch FSDP1's flat shards (``placements`` with ``FlatShard()``, or
+    ``Replicate()`` under NO_SHARD) each rank knows only its own slice, so ``layout()``
+    gives that one and :func:`merge_layouts` the others. ``unit`` is the clean FQN of the
+    FSDP unit (the module ``fully_shard`` was applied to, or a torch FSDP1 module) that
+    manages the parameter, ``""`` for the root; ``None`` when no FSDP unit manages it.
     """
 
     fqn: str
@@ -84,6 +92,9 @@ class RankLayout:
     gradients, optimizer state (if an optimizer was given) and buffers.  ``params`` is
     empty on the ranks that were asked not to describe them (``layout(...,
     params_from_rank=0)``).  ``host`` is the name of the machine the rank runs on.
+    ``own_slices`` holds, by FQN, this rank's slice of every parameter whose slices only
+    their own ranks know (torch FSDP1's flat shards): :func:`merge_layouts` completes
+    those parameters' ``slices`` from every rank's.
     """
 
     rank: int
@@ -94,6 +105,7 @@ class RankLayout:
     optim_bytes: int
     buffer_bytes: int
     host: str = ""
+    own_slices: dict[str, ShardSlice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,9 @@ def merge_layouts(per_rank: list[RankLayout]) -> ModelLayout:
     """Combine the per-rank answers of ``layout(model)`` (any order) into a ModelLayout.
 
     The parameters come from the lowest rank that described them (every rank describes
-    the same parameters; see ``layout(..., params_from_rank=)``).
+    the same parameters; see ``layout(..., params_from_rank=)``). The slices of parameters
+    only their own ranks know (``RankLayout.own_slices``) come from every rank's answer:
+    ``ValueError`` naming the missing ranks when some rank's answer is not in ``per_rank``.
     """
     if not per_rank:
         raise ValueError("merge_layouts needs at least one RankLayout, got an empty list")
@@ -156,7 +170,26 @@ def merge_layouts(per_rank: list[RankLayout]) -> ModelLayout:
         for r in ordered
     )
     params = next((r.params for r in ordered if r.params), ())
+    if any(r.own_slices for r in ordered):
+        params = tuple(_with_every_rank(p, ordered) for p in params)
     return ModelLayout(world_size=ordered[0].world_size, params=params, ranks=totals)
+
+
+def _with_every_rank(param: ParamLayout, ordered: list[RankLayout]) -> ParamLayout:
+    """``param`` with its slices from every rank's ``own_slices`` (itself when no rank
+    reports its slice separately)."""
+    slices = tuple(r.own_slices[param.fqn] for r in ordered if param.fqn in r.own_slices)
+    if not slices:
+        return param
+    world_size = ordered[0].world_size
+    if len(slices) != world_size:
+        missing = sorted(set(range(world_size)) - {s.rank for s in slices})
+        raise ValueError(
+            f"the slices of {param.fqn!r} are known only to the ranks holding them; the "
+            f"layouts of ranks {missing} are missing: merge the layouts of all "
+            f"{world_size} ranks"
+        )
+    return replace(param, slices=slices)
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from fsdp_interactive.fsdp._comm_device import comm_device
-from fsdp_interactive.inspect._dtensor import local_tensor
 from fsdp_interactive.inspect._records import TensorStats
+from fsdp_interactive.wrapping import OriginalParam
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +40,14 @@ _FINITE, _NAN, _INF, _SUM, _SQUARES, _MIN, _MAX = range(7)
 
 
 @dataclass
-class Piece:
-    """What this rank holds of one tensor, and where the other pieces are.
+class Part:
+    """What this rank holds of one tensor, and where the other parts are.
 
-    ``groups``: one process group per mesh dimension along which the tensor is split (the
-    ranks of such a group hold different pieces; mesh dimensions that replicate it are
-    left out, as every rank there holds the same piece); empty for a tensor this rank
-    holds whole.  ``comm_device``: where the collectives' tensors must live, the mesh's
-    (:func:`fsdp_interactive.fsdp._comm_device.comm_device`: CUDA under NCCL even when the
-    piece itself is offloaded to the CPU).
+    ``groups``: the process groups along which the tensor is split (the ranks of such a
+    group hold different parts; ranks that hold the same part are in none of them); empty
+    for a tensor this rank holds whole. ``comm_device``: where the collectives' tensors must
+    live (:func:`fsdp_interactive.fsdp._comm_device.comm_device`: CUDA under NCCL even when
+    the part itself is offloaded to the CPU).
     """
 
     values: torch.Tensor
@@ -60,48 +57,32 @@ class Piece:
     nonfinite_chunks: set[int] = field(default_factory=set)
 
 
-def piece_of(tensor: torch.Tensor) -> Piece:
-    """This rank's :class:`Piece` of ``tensor`` (a DTensor, or a tensor held whole).
-
-    Raises ``ValueError`` for a DTensor with a Partial placement: its local values are
-    addends of the tensor's values, not some of them.
-    """
-    if not isinstance(tensor, DTensor):
-        return Piece(tensor.detach().reshape(-1), (), tensor.device)
-    mesh = tensor.device_mesh
-    groups = []
-    for dim, placement in enumerate(tensor.placements):
-        if placement.is_partial():
-            raise ValueError(
-                f"statistics need each element stored on some rank; this DTensor has the "
-                f"placement {placement} (pending reduction): call .full_tensor() first"
-            )
-        # Shard and the strided shards (which do not report is_shard()) split the tensor
-        # into disjoint pieces along this mesh dimension.
-        if not placement.is_replicate():
-            groups.append(mesh.get_group(dim))
-    return Piece(local_tensor(tensor).reshape(-1), tuple(groups), comm_device(mesh))
+def part_of(param: OriginalParam) -> Part:
+    """This rank's :class:`Part` of ``param`` (its piece, flattened: element order does not
+    matter to the statistics)."""
+    values = param.piece().values.reshape(-1)
+    return Part(
+        values, param.split_groups, param.comm_device if param.split_groups else values.device
+    )
 
 
-def tensor_stats(
-    fqn: str, names: Sequence[str], tensors: Sequence[torch.Tensor], bins: int
-) -> TensorStats:
-    """Statistics of ``tensors`` taken together (a single tensor keeps its shape).
+def tensor_stats(fqn: str, params: Sequence[OriginalParam], bins: int) -> TensorStats:
+    """Statistics of ``params`` taken together (a single parameter keeps its shape).
 
-    A collective over the groups that hold the DTensors' pieces (every rank of their meshes
-    must call it with the same tensors); tensors held whole need no communication.  Mean,
-    std (with Bessel's correction), min, max, norm and the histogram are over the finite
-    values, in float64; NaN and Inf are counted.  Nothing is modified.
+    A collective over the groups that split them (every rank of those groups must call it
+    with the same parameters); parameters held whole need no communication. Mean, std (with
+    Bessel's correction), min, max, norm and the histogram are over the finite values, in
+    float64; NaN and Inf are counted. Nothing is modified.
     """
     if not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be an integer >= 1, got {bins!r}")
-    if not tensors:
-        raise ValueError("tensors must hold at least one tensor")
-    dtype = str(tensors[0].dtype).removeprefix("torch.")
-    numel = sum(t.numel() for t in tensors)
-    shape = tuple(tensors[0].shape) if len(tensors) == 1 else (numel,)
+    if not params:
+        raise ValueError("params must hold at least one parameter")
+    dtype = str(params[0].dtype).removeprefix("torch.")
+    numel = sum(p.numel for p in params)
+    shape = params[0].shape if len(params) == 1 else (numel,)
     started = time.perf_counter()
-    pieces = [piece_of(t) for t in tensors]
+    pieces = [part_of(p) for p in params]
 
     first = _reduced(pieces, _first_round, _combine_first)
     counted = int(first[_FINITE] + first[_NAN] + first[_INF])
@@ -132,7 +113,7 @@ def tensor_stats(
     )
     return TensorStats(
         fqn=fqn,
-        names=tuple(names),
+        names=tuple(p.fqn for p in params),
         shape=tuple(int(s) for s in shape),
         dtype=dtype,
         numel=numel,
@@ -152,7 +133,7 @@ Combine = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _reduced(
-    pieces: list[Piece], local_row: Callable[[Piece], torch.Tensor], combine: Combine
+    pieces: list[Part], local_row: Callable[[Part], torch.Tensor], combine: Combine
 ) -> torch.Tensor:
     """``combine`` of every piece's ``local_row`` over all ranks: a float64 CPU row.
 
@@ -163,7 +144,7 @@ def _reduced(
     """
     # Keyed by the groups' ranks, which every rank computes alike (not by the group
     # objects: a mesh may hand out a new Python object for the same group).
-    by_groups: dict[tuple[tuple[tuple[int, ...], ...], torch.device], list[Piece]] = {}
+    by_groups: dict[tuple[tuple[tuple[int, ...], ...], torch.device], list[Part]] = {}
     for piece in pieces:
         ranks = tuple(tuple(dist.get_process_group_ranks(g)) for g in piece.groups)
         by_groups.setdefault((ranks, piece.comm_device), []).append(piece)
@@ -197,11 +178,11 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(0)
 
 
-def _chunks(piece: Piece) -> list[tuple[int, torch.Tensor]]:
+def _chunks(piece: Part) -> list[tuple[int, torch.Tensor]]:
     return list(enumerate(piece.values.split(_CHUNK))) if piece.values.numel() else []
 
 
-def _first_round(piece: Piece) -> torch.Tensor:
+def _first_round(piece: Part) -> torch.Tensor:
     """[finite count, NaN, Inf, sum, sum of squares, min, max] of ``piece`` (float64)."""
     row = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf], dtype=torch.float64)
     work = _buffer(piece)
@@ -225,7 +206,7 @@ def _first_round(piece: Piece) -> torch.Tensor:
     return row
 
 
-def _second_round(piece: Piece, mean: float, lo: float, top: float, bins: int) -> torch.Tensor:
+def _second_round(piece: Part, mean: float, lo: float, top: float, bins: int) -> torch.Tensor:
     """[sum of squared deviations from ``mean``, histogram counts over [lo, top]]."""
     row = torch.zeros(1 + bins, dtype=torch.float64)
     work, spare = _buffer(piece), _buffer(piece)
@@ -263,7 +244,7 @@ def histogram(
     return counts[:bins]
 
 
-def _buffer(piece: Piece, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _buffer(piece: Part, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Working memory for one chunk of ``piece``, on the piece's own device."""
     size = min(piece.values.numel(), _CHUNK)
     return torch.empty(size, dtype=dtype, device=piece.values.device)

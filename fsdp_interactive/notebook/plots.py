@@ -144,9 +144,8 @@ def _param_bars(bars: Axes, params: list[ParamLayout]) -> None:
         labelled = row == 0 or len(params) <= LABELLED_ROWS
         y = len(params) - 1 - row
         cursor = 0
-        fully_replicated = not param.is_dtensor or all(
-            p.startswith("Replicate") for p in param.placements
-        )
+        # Plain tensors say "Replicate(world)", torch FSDP1's NO_SHARD "Replicate()".
+        fully_replicated = all(p.startswith("Replicate") for p in param.placements)
         # Ranks holding the same slice (the replicas of a hybrid mesh) share its bar height.
         replicas: dict[tuple, list[int]] = {}
         for piece in param.slices:

@@ -45,7 +45,9 @@ class RankModel:
     ``model``, ``optimizer`` and ``recorder`` are expressions evaluated on the ranks.
     Probes that are collectives (grad norms, summon, edit) run on every rank; layout and
     memory also run on every rank and are merged here.  Errors on the ranks propagate as
-    the pool's ``RankError``.
+    the pool's ``RankError``. The model may be wrapped in any way
+    :mod:`fsdp_interactive.wrapping` understands (torch FSDP1, DDP, ``torch.compile``, ...):
+    the probes name parameters by their clean FQNs and accept the wrapped names too.
     """
 
     def __init__(
@@ -114,6 +116,14 @@ class RankModel:
         return self._probe(
             f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
             f"bins={int(bins)})"
+        )[0]
+
+    def clean_name(self, name: str) -> str | None:
+        """The clean FQN of the parameter or module called ``name`` (clean, or wrapped as the
+        model on the ranks names it: ``module.``, ``_fsdp_wrapped_module.``, ``_orig_mod.``);
+        ``None`` when there is none. Asks rank 0 only (no collective)."""
+        return self._probe(
+            f"_fsdp_interactive_inspect.clean_name({self.model}, {name!r})", targets=[0]
         )[0]
 
     def memory(self) -> list[MemoryStats]:

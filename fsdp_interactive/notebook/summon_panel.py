@@ -71,6 +71,10 @@ class SummonPanel(View):
         return self.data.fqn
 
     def select(self, fqn: str) -> TensorStats:
+        """Summarize the parameter or module ``fqn``: its clean FQN or the name under the
+        model's wrappers (shown by its clean FQN)."""
+        if fqn not in self.params and fqn not in self.modules:
+            fqn = self.source.clean_name(fqn) or fqn
         if fqn not in self.params and fqn not in self.modules:
             raise ValueError(
                 f"fqn={fqn!r} is not a parameter or module of {self.source.model!r}; choose one of "

@@ -118,14 +118,18 @@ def test_recorded_causes_name_comparisons_a_quick_run_makes(quick_report: Path) 
 
 
 def test_probes_figure_measures_gpt2_small(quick_report: Path) -> None:
-    """The real-size case: every probe on GPT-2 small's layout at 2 ranks, and the summon
-    statistics of its 38.6M-element embedding held to their 1 s budget."""
+    """The real-size case: every probe on GPT-2 small at 2 ranks, wrapped by ours (DTensor)
+    and by torch FSDP1 (flat parameters), each held to its 1 s budget."""
     probes = _figures(quick_report)["probes"]
-    gpt2 = {name: stat for name, stat in probes["measurements"].items() if "GPT-2 small" in name}
     wanted = ("layout", "grad norms", "summon stats of transformer.wte.weight", "memory")
-    assert sorted(name.rsplit(": ", 1)[1] for name in gpt2) == sorted(wanted), list(gpt2)
-    assert all(name.startswith("2 ranks, GPT-2 small") for name in gpt2)
-    (budget,) = [c for c in probes["comparisons"] if c["case"] == "2 ranks, GPT-2 small"]
-    assert budget["subject_name"] == "summon stats of transformer.wte.weight (ours)"
-    assert budget["unavailable"] is None and budget["subject"]["samples"]
-    assert budget["reference"]["samples"] == [1.0]
+    for wrapping in ("DTensor", "torch FSDP1 (flat)"):
+        case = f"2 ranks, GPT-2 small, {wrapping}"
+        gpt2 = {n: stat for n, stat in probes["measurements"].items() if n.startswith(case)}
+        assert sorted(name.rsplit(": ", 1)[1] for name in gpt2) == sorted(wanted), list(gpt2)
+        budgets = [c for c in probes["comparisons"] if c["case"] == case]
+        assert [c["subject_name"] for c in budgets] == [
+            f"{name} probe (ours)" for name in ("layout", "grad norms", "summon stats", "memory")
+        ]
+        for budget in budgets:
+            assert budget["unavailable"] is None and budget["subject"]["samples"]
+            assert budget["reference"]["samples"] == [1.0]

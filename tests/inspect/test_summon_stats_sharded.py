@@ -206,8 +206,10 @@ def test_histogram_bins_equal_histc_at_the_bin_edges():
 
 def test_bad_arguments_are_named():
     from fsdp_interactive.inspect._shard_stats import tensor_stats
+    from fsdp_interactive.wrapping import model_params
 
+    weight = model_params(nn.Linear(2, 2))["weight"]
     with pytest.raises(ValueError, match="bins must be an integer >= 1, got 0"):
-        tensor_stats("w", ["w"], [torch.ones(2)], 0)
-    with pytest.raises(ValueError, match="tensors must hold at least one tensor"):
-        tensor_stats("w", [], [], 4)
+        tensor_stats("weight", [weight], 0)
+    with pytest.raises(ValueError, match="params must hold at least one parameter"):
+        tensor_stats("weight", [], 4)
