@@ -53,7 +53,7 @@ class JournalEntry:
     notebook's execution count (``None`` for a ``Pool.run`` without one); ``targets``:
     ``None`` for every rank; ``started``: wall-clock time; ``seconds``: how long it ran
     (``None`` while running); ``replay``: may be replayed; ``snapshots``: ids of the
-    snapshots taken while it ran.
+    snapshots taken while it ran (read after the call ends, so in its own row at once).
     """
 
     id: int
@@ -66,6 +66,9 @@ class JournalEntry:
     outcome: str = "running"
     replay: bool = True
     snapshots: list[str] = field(default_factory=list)
+    #: What the journal shows for the call instead of ``source`` (the magic line that
+    #: generated the code), ``None``: its source.
+    shown: str | None = None
 
     @property
     def replayable(self) -> bool:
@@ -77,7 +80,8 @@ class JournalEntry:
         return f"In[{self.cell}]" if self.cell is not None else f"call {self.id}"
 
     def first_line(self, width: int = 48) -> str:
-        line = next((ln.strip() for ln in self.source.splitlines() if ln.strip()), "")
+        text = self.source if self.shown is None else self.shown
+        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
         return line if len(line) <= width else line[: width - 3] + "..."
 
 
@@ -110,8 +114,9 @@ class Journal:
         cell: int | None = None,
         targets: Sequence[int] | None = None,
         replay: bool = True,
+        shown: str | None = None,
     ) -> JournalEntry:
-        """A new running entry in the current epoch."""
+        """A new running entry in the current epoch (``shown``: see :class:`JournalEntry`)."""
         entry = JournalEntry(
             id=next(self._ids),
             epoch=self.epoch.number,
@@ -119,6 +124,7 @@ class Journal:
             cell=cell,
             targets=None if targets is None else list(targets),
             replay=replay,
+            shown=shown,
         )
         self.entries.append(entry)
         return entry

@@ -127,6 +127,11 @@ class EngineForker:
     def running(self) -> bool:
         return self._proc.poll() is None and not self._gone
 
+    def exit_status(self) -> int | None:
+        """How the process started here ended, as ``subprocess`` reports it (negative:
+        killed by that signal); ``None`` while it runs."""
+        return self._proc.poll()
+
     async def fork(
         self,
         argv: list[str],

@@ -8,6 +8,11 @@ one that ended or must run another command, and ends them all at once for ``stop
 Each forker is given the pool's snapshot root, which it removes on its host when it
 exits.
 
+Faults: a forker that ends while the pool runs (the OOM killer, a ``kill -9``; its host
+stays up) leaves the engines it forked running, but nobody to fork the next group or to
+remove the snapshot root on its host when the pool stops; :meth:`HostForkers.replace_ended`
+starts a new one there, with the same command, and says which ended and how.
+
 Not done: ending single forkers (a host no longer used keeps its forker until ``stop()``).
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool.processes._forked_launcher import EngineForker, forker_command
@@ -26,6 +32,19 @@ log = logging.getLogger(__name__)
 LOCAL = ""
 
 
+@dataclass(frozen=True)
+class EndedForker:
+    """A forker that ended while the pool ran: its ``host`` key (:data:`LOCAL`: this
+    host), local ``pid`` (an ssh host's: its ssh client), exit ``status`` as
+    ``subprocess`` reports it (negative: killed by that signal; over ssh, ssh's own) and
+    the pid of the one that took its place."""
+
+    host: str
+    pid: int
+    status: int | None
+    new_pid: int
+
+
 class HostForkers:
     """The running forkers of one pool by host key (:data:`LOCAL` for this host's), each
     given ``snapshot_root``."""
@@ -33,6 +52,7 @@ class HostForkers:
     def __init__(self, snapshot_root: str | None = None) -> None:
         self.snapshot_root = snapshot_root
         self._forkers: dict[str, EngineForker] = {}
+        self._starts: dict[str, Callable[[], EngineForker]] = {}
 
     def pids(self) -> list[int]:
         """Local pids of the forkers (an ssh host's: its ssh client)."""
@@ -73,12 +93,34 @@ class HostForkers:
             return forker
         if forker is not None:
             forker.close()
+        self._starts[key] = start
         forker = self._forkers[key] = start()
         where = key or "this host"
         log.debug(
             "engine forker for %s started (pid %d); its log: %s", where, forker.pid, forker.log_path
         )
         return forker
+
+    def replace_ended(self) -> list[EndedForker]:
+        """Start a new forker, with the same command, on every host whose forker ended
+        after it was ready; one :class:`EndedForker` each. A forker that never got ready
+        (its host cannot be reached) is left to the next group's start, which reports it."""
+        ended = []
+        for key, forker in list(self._forkers.items()):
+            if forker.running() or not forker.ready.is_set():
+                continue
+            forker.close()  # reaps it (and its reader thread): nothing is left to end
+            status = forker.exit_status()
+            new = self._forkers[key] = self._starts[key]()
+            log.debug(
+                "engine forker for %s (pid %d) ended with status %s; pid %d took its place",
+                key or "this host",
+                forker.pid,
+                status,
+                new.pid,
+            )
+            ended.append(EndedForker(key, forker.pid, status, new.pid))
+        return ended
 
     def warm(self, specs: list[str]) -> None:
         """Have every running forker import ``specs`` for the engines it forks later
@@ -102,6 +144,7 @@ class HostForkers:
         """End every forker through its handle: all are asked at once (each ends what it
         forked and removes its host's snapshot root), then waited for."""
         forkers, self._forkers = self._forkers, {}
+        self._starts = {}
         for forker in forkers.values():
             forker.begin_close()
         for key, forker in forkers.items():
