@@ -189,12 +189,14 @@ class FsdpMagics(RecoveryMagics, Magics):
 
     def _fsdp_stop(self, rest: str) -> None:
         self._no_arguments("stop", rest)
-        ranks = self.pool.world_size if self.pool is not None else 0
-        if self.pool is not None:
-            self.pool.stop()
-        self.pool = None
+        pool, self.pool = self.pool, None
         self._set_auto(False)
-        print(f"stopped {ranks} ranks" if ranks else "no pool was running")
+        if pool is None:
+            print("no pool was running")
+            return
+        ranks, state = pool.world_size, pool.state
+        pool.stop()
+        print(f"stopped {ranks} ranks" if ranks else f"stopped the pool (it was {state})")
 
     def _fsdp_restart(self, rest: str) -> None:
         self._no_arguments("restart", rest)

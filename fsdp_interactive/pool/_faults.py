@@ -232,7 +232,7 @@ class PoolFaults:
     def _replace_ended_forkers(self) -> None:
         """Start a new engine forker on every host whose forker ended while the pool ran."""
         processes = self._pool._processes
-        replaced = processes.forkers.replace_ended()
+        replaced = processes.forkers.replace_ended(skip=self.lost_hosts)
         for ended in replaced:
             where = f"on {ended.host}" if ended.host else "on this host"
             line = (

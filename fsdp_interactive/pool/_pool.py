@@ -13,8 +13,8 @@ the pool started, also at interpreter exit or (through a reaper) when the kernel
 The pool is a facade over parts that each live in the folder that says where they run:
 :mod:`._placement` (ranks, devices, backend), :mod:`._rendezvous` (forming the group),
 :mod:`._live_group` and :mod:`._dispatch` (a formed group and its calls),
-:mod:`._journal`, :mod:`._snapshots`, :mod:`._faults` and :mod:`._recovery` (what keeps the
-work through a fault), ``processes/`` (starting, forking, watching and ending engines, on
+:mod:`._journal`, :mod:`._snapshots`, :mod:`._faults`, :mod:`._fault_calls` and
+:mod:`._recovery` (what keeps the work through a fault), ``processes/`` (starting, forking, watching and ending engines, on
 this host and others), ``rank/`` (what runs inside every engine) and ``diagnostics/``
 (stacks, timeouts, deaths, interrupts, the debugger). Its states are
 :class:`~._state.PoolState`.
@@ -364,6 +364,7 @@ class Pool(FaultCalls, DebuggingCalls):
                 self.call(_snapshot_calls.drop_here, timeout=30)
             except Exception as error:  # the forkers and the lines below still free them
                 log.debug("the ranks could not free their hosts' snapshots: %s", error)
+        self._faults.finish_cleanup()  # a rank found dead just now: its teardown first
         self._teardown()
         _snapshot_root.remove_root(self._snapshot_root)
         self._snapshot_book.clear()

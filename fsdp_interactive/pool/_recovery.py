@@ -6,7 +6,8 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
    by id) or disk checkpoint (a folder) to go back to, which journal entries rebuild the
    names it was taken among (:meth:`~._journal.Journal.replay_for`), and on how many ranks
    (the same; the hosts that remain after a lost host; ``world=``). Nothing is touched
-   when there is nothing to recover to. ``dry_run`` stops here.
+   when there is nothing to recover to, or when the checks of :mod:`._recovery_checks`
+   refuse the input (they ask the ranks while they run). ``dry_run`` stops here.
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
    killed); the host's engine forkers and the snapshots in host memory stay.
 3. **start**: a fresh group on the same placement (or the reduced one).

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 from fsdp_interactive.pool.processes._pids import start_time
 from tests.notebook.gates import Gates
-from tests.notebook.test_kernel_output import REPO, Kernel, _kernel_env
+from tests.notebook.test_kernel_output import Kernel, pool_kernel
 from tests.pool.conftest import wait_gone
 from tests.pool.recovery_cells import SETUP
 
@@ -38,16 +37,8 @@ def _gated_setup(gate: Path) -> str:
 
 @pytest.fixture()
 def kernel() -> Iterator[Kernel]:
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=_kernel_env())
-    kernel = Kernel(client)
-    try:
-        yield kernel
-    finally:
-        try:
-            kernel.run("%fsdp stop", timeout=120)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=False)
+    with pool_kernel("-n 2 --backend gloo --recover auto") as started:
+        yield started
 
 
 def _text(messages: list[dict[str, Any]]) -> str:
@@ -73,8 +64,6 @@ def _kill_rank_1(kernel: Kernel) -> None:
 def test_deaths_between_cells_with_recover_auto(kernel, tmp_path):
     """Before any snapshot: recover, status and the next cell name only what works; with
     one: the next cell recovers by itself, its phases shown while it recovers."""
-    start = kernel.run("%load_ext fsdp_interactive\n%fsdp start -n 2 --backend gloo --recover auto")
-    assert not _errors(start), start
     status = kernel.run(
         "%fsdp status\nimport sys\nprint('torch in the kernel:', 'torch' in sys.modules)"
     )

@@ -101,13 +101,14 @@ class HostForkers:
         )
         return forker
 
-    def replace_ended(self) -> list[EndedForker]:
+    def replace_ended(self, skip: Iterable[str] = ()) -> list[EndedForker]:
         """Start a new forker, with the same command, on every host whose forker ended
-        after it was ready; one :class:`EndedForker` each. A forker that never got ready
-        (its host cannot be reached) is left to the next group's start, which reports it."""
+        after it was ready, but those in ``skip`` (hosts known to be lost); one
+        :class:`EndedForker` each. A forker that never got ready (its host cannot be
+        reached) is left to the next group's start, which reports it."""
         ended = []
         for key, forker in list(self._forkers.items()):
-            if forker.running() or not forker.ready.is_set():
+            if forker.running() or not forker.ready.is_set() or key in set(skip):
                 continue
             forker.close()  # reaps it (and its reader thread): nothing is left to end
             status = forker.exit_status()
