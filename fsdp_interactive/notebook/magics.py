@@ -191,7 +191,7 @@ class FsdpMagics(RecoveryMagics, Magics):
         self._no_arguments("stop", rest)
         pool, self.pool = self.pool, None
         self._set_auto(False)
-        if pool is None:
+        if pool is None or pool.state == "stopped":
             print("no pool was running")
             return
         ranks, state = pool.world_size, pool.state
