@@ -150,7 +150,10 @@ class PoolFaults:
             with self.recovering():
                 report = execute(pool, make_plan(pool, None, None), say=_say)
         except Exception as failure:
-            error.recovery_failed(str(failure))
+            # Its own advice is in API words; the error's advice stays what to do.
+            error.recovery_failed(
+                failure.what_happened if isinstance(failure, Advised) else str(failure)
+            )
             return
         self.lost_hosts = []
         error.recovered(report.summary())
