@@ -61,6 +61,7 @@ def _kill_rank_1(kernel: Kernel) -> None:
     assert wait_gone({pid: created}, timeout=30) == []
 
 
+@pytest.mark.timing
 def test_deaths_between_cells_with_recover_auto(kernel, tmp_path):
     """Before any snapshot: recover, status and the next cell name only what works; with
     one: the next cell recovers by itself, its phases shown while it recovers."""

@@ -99,6 +99,7 @@ def kill_between_cells(pool, rank: int) -> None:
     assert wait_gone({pid: created}, timeout=30) == []
 
 
+@pytest.mark.timing
 def test_a_death_between_cells_the_journal_and_snapshot_errors_in_magic_words(
     pool_shell, pool, capsys
 ):

@@ -145,6 +145,7 @@ def test_snapshot_now_records_the_training_step_and_recover_shows_it_is_busy(res
     assert panel.report is None and panel._report.value == ""
 
 
+@pytest.mark.timing
 def test_the_dashboard_shows_a_rank_that_died_between_cells(restarted_pool):
     from fsdp_interactive.notebook import Dashboard
 

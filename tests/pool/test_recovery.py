@@ -56,6 +56,7 @@ del kept, ghost
 """
 
 
+@pytest.mark.timing
 def test_bad_recover_input_is_refused_before_anything_ends(fresh, tmp_path, capsys):
     """Every refusal leaves the pool exactly as it was: the same rank processes, every
     variable still there; the dry run refuses the same input. After a death, what only
