@@ -14,8 +14,9 @@ The pool is a facade over parts that each live in the folder that says where the
 :mod:`._placement` (ranks, devices, backend), :mod:`._rendezvous` (forming the group),
 :mod:`._live_group` and :mod:`._dispatch` (a formed group and its calls),
 :mod:`._journal`, :mod:`._snapshots`, :mod:`._faults`, :mod:`._fault_calls` and
-:mod:`._recovery` (what keeps the work through a fault), ``processes/`` (starting, forking, watching and ending engines, on
-this host and others), ``rank/`` (what runs inside every engine) and ``diagnostics/``
+:mod:`._recovery` (what keeps the work through a fault), ``processes/`` (starting,
+forking, watching and ending engines, on this host and others), ``rank/`` (what runs
+inside every engine) and ``diagnostics/``
 (stacks, timeouts, deaths, interrupts, the debugger). Its states are
 :class:`~._state.PoolState`.
 
