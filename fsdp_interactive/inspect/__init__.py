@@ -23,8 +23,7 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fsdp_interactive._lazy_exports import lazy_exports
 
 # The records are plain dataclasses, imported at once: the kernel unpickles them. The
 # probes (and the wrapping's refusal) import torch, so they are imported when first used
@@ -63,17 +62,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
