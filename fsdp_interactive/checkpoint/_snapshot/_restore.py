@@ -204,6 +204,7 @@ def restore_snapshot(
         stateful=stateful,
         strict=strict,
         verify=source.located is None,  # a snapshot's copies were checked by complete()
+        in_place=True,
     )
     phases["load"] = time.monotonic() - loading
     report = RestoreReport(
