@@ -113,10 +113,10 @@ def locate(snapshot_id: object, ranks: Ranks) -> Located:
     collective. ``ValueError`` for what is not a snapshot id, :class:`SnapshotError` when
     no host holds it."""
     _check_id(snapshot_id)
-    root, key, problem = root_folder(), b"", None
+    root, key, problem = root_folder(), None, None
     try:
         if private_root(create=False) is not None:
-            key = _seal.snapshot_key(root)
+            key = _seal.snapshot_key(root, create=False)
     except SnapshotError as exc:
         problem = str(exc)
     ids = _store.sealed_ids(root, key) if key else []
@@ -142,37 +142,49 @@ def locate(snapshot_id: object, ranks: Ranks) -> Located:
             )
         snapshot_id = max(every, key=lambda i: _store.id_number(i) or 0)
     folder = root / snapshot_id
-    second = ranks.all_gather((_present(folder), _read_texts(folder) if key else None))
+    second = ranks.all_gather((_present(folder), _read_texts(folder)))
     present = [s[0] for s in second]
-    texts = [(r, s[1]) for r, s in enumerate(second) if s[1] is not None]
+    texts = {r: s[1] for r, s in enumerate(second) if s[1] is not None}
     if not texts:
         raise SnapshotError(
             f"snapshot {snapshot_id} is on no host of this group (snapshots there: {listed}); "
             "restore one of those, or a disk checkpoint with checkpoint.load"
         )
-    # Every rank checks, with its own key, every host's texts (also another host's): the
-    # first that holds is used, a host whose texts do not hold gets them rewritten.
-    problems: list[CheckpointError] = []
-    described = [False] * len(second)
-    good = None
-    for rank, found in texts:
-        try:
-            unsealed = _store.unseal(Path(roots[rank]) / snapshot_id, found, key)
-        except CheckpointError as exc:
-            problems.append(exc)
-            logger.warning("rank %d's host: %s", rank, exc)
-            continue
-        described[rank] = True
-        good = good or (found, *unsealed)
+    # Every rank checks, with its own key, every host's texts (also another host's); a
+    # host's texts count only when every rank found them authentic, so that every rank
+    # takes the same; the first that count are used, the others are written again.
+    checked = {r: _unseal(Path(roots[r]) / snapshot_id, found, key) for r, found in texts.items()}
+    verdicts = ranks.all_gather({r: isinstance(c, tuple) for r, c in checked.items()})
+    described = [all(v.get(r, False) for v in verdicts) for r in range(len(second))]
+    good = next((r for r in sorted(texts) if described[r]), None)
     if good is not None:
-        found, manifest, record = good
+        manifest, record = checked[good]
         return Located(
-            snapshot_id, ranks.rank, record, manifest, found, hosts, roots, present, described
+            snapshot_id, ranks.rank, record, manifest, texts[good], hosts, roots, present, described
         )
+    problems = [c for c in checked.values() if isinstance(c, CheckpointError)]
+    refusals = ranks.all_gather([(str(p), getattr(p, "file", None)) for p in problems])[0]
     raise CorruptCheckpointError(
-        f"snapshot {snapshot_id}: " + "; ".join(map(str, problems)),
-        file=getattr(problems[0], "file", None),
+        f"snapshot {snapshot_id}: " + "; ".join(text for text, _ in refusals),
+        file=refusals[0][1] if refusals else None,
     )
+
+
+def _unseal(
+    folder: Path, texts: _store.Texts, key: bytes | None
+) -> tuple[_manifest.Manifest, SnapshotRecord] | CheckpointError:
+    """The manifest and record of ``texts`` if their seal holds under ``key``, else the
+    refusal (a rank without a key refuses every one)."""
+    if key is None:
+        return SnapshotError(
+            f"{folder}: this host keeps no snapshot key to check it with; set "
+            f"${_seal.KEY_ENV} to the key that sealed it"
+        )
+    try:
+        return _store.unseal(folder, texts, key)
+    except CheckpointError as exc:
+        logger.warning("%s", exc)
+        return exc
 
 
 @dataclass

@@ -85,6 +85,7 @@ def _look(root: Path) -> tuple[int, int, bytes, str | None]:
     try:
         private_root(root)
         key = _seal.snapshot_key(root)
+        assert key is not None  # made when missing
         return _store.highest_number(root), _room.free_bytes(root), key, None
     except SnapshotError as exc:
         return 0, 0, b"", str(exc)

@@ -40,11 +40,14 @@ _FORMAT = "fsdp-interactive-snapshot-seal"
 _LABEL = b"fsdp-interactive snapshot\x00"
 
 
-def _root_key(root: Path) -> bytes:
-    """The key kept in the private folder ``root`` (made there on first use)."""
+def _root_key(root: Path, create: bool) -> bytes | None:
+    """The key kept in the private folder ``root`` (made there on first use with
+    ``create``; ``None`` when there is none and not ``create``)."""
     path = root / KEY_FILE
     with contextlib.suppress(FileNotFoundError):
         return _read_key(path)
+    if not create:
+        return None
     # Made under a temporary name, then linked to its name: a rank that reads the key
     # finds it whole, and of two ranks making one at once, the first link wins.
     temporary = root / f"{KEY_FILE}.{secrets.token_hex(8)}"
@@ -67,12 +70,13 @@ def _read_key(path: Path) -> bytes:
         ) from None
 
 
-def snapshot_key(root: Path) -> bytes:
+def snapshot_key(root: Path, *, create: bool = True) -> bytes | None:
     """The key snapshots under the private folder ``root`` are sealed with (see the
-    module); :class:`SnapshotError` naming the variable when it is not hex."""
+    module; ``None`` when the root keeps none and not ``create``: no snapshot there can
+    be authentic); :class:`SnapshotError` naming the variable when it is not hex."""
     text = os.environ.get(KEY_ENV)
     if not text:
-        return _root_key(root)
+        return _root_key(root, create)
     try:
         return bytes.fromhex(text)
     except ValueError:

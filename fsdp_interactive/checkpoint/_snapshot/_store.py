@@ -154,9 +154,9 @@ def list_snapshots(root: str | os.PathLike | None = None) -> list[SnapshotRecord
     it is not listed here: :func:`restore_snapshot` looks on every host.
     """
     folder = private_root(root, create=False)
-    if folder is None:
+    key = None if folder is None else _seal.snapshot_key(folder, create=False)
+    if folder is None or key is None:
         return []
-    key = _seal.snapshot_key(folder)
     host = host_name()
     found = []
     for child in folder.iterdir():
