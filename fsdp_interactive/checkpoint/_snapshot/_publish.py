@@ -147,7 +147,7 @@ def _finish(
     if plan.rank == 0 and metadata is None:
         problem = f"rank 0: DCP wrote no metadata into {plan.partial}"
     gathered = ranks.all_gather((records, metadata, problem))
-    _agree(ranks, problem, "reading back the written files")
+    _agree(ranks, problem, "collecting the written files' checksums")
     metadata = gathered[0][1]
     files = {name: rec for own, _, _ in gathered for name, rec in own.items()}
     files[METADATA_FILE] = _manifest.FileRecord(

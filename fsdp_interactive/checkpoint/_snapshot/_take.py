@@ -86,9 +86,11 @@ def snapshot(
       blocking part, in ``handle.seconds``: that copy is the staging), then copies it to
       the following host and publishes on a background thread (its collectives on a
       gloo group of their own) and returns a :class:`SnapshotHandle` at once; changing
-      the model or the objects afterwards does not change what is written. A snapshot started while this process's previous
-      background snapshot is still written waits for it first (so do
-      :func:`restore_snapshot` and :func:`persist_snapshot`).
+      the model or the objects afterwards does not change what is written. A snapshot
+      started while this process's previous background snapshot is still published waits
+      for it first (so do :func:`restore_snapshot` and :func:`persist_snapshot`). A
+      failure of the write raises from the call itself; one of the publishing, on the
+      handle.
     * After publishing, rank 0 publishes the notice ``{"kind": "snapshot", **record}``
       (:mod:`fsdp_interactive._notices`); ``record.call`` is the notebook call current
       when ``snapshot`` was called.
