@@ -122,7 +122,11 @@ def _rank(shm_root: str, disk_root: str, samples: int, rate_steps: int, every: i
         "restore_snapshot": lambda: reports.append(ck.restore_snapshot(None, {}, objects=objects)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
-    cpu: dict[str, list[float]] = {"snapshot (sync)": [], "snapshot (background, whole)": []}
+    cpu: dict[str, list[float]] = {
+        "snapshot (sync)": [],
+        "snapshot (background, whole)": [],
+        "restore_snapshot": [],
+    }
     handle_seconds: list[float] = []
     phases: list[dict[str, float]] = []
     for sample in range(samples + 1):  # the first round warms up, untimed
@@ -130,6 +134,8 @@ def _rank(shm_root: str, disk_root: str, samples: int, rate_steps: int, every: i
             if name == "restore_snapshot":
                 elapsed = timed(action)
                 phases.append(reports.pop().phases)
+                if sample:
+                    cpu[name].append(elapsed[1])
             elif name.startswith("snapshot (background"):
                 used = time.process_time()
                 elapsed = timed(action)
