@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "_background_groups": 0,
     "_plain": 0,  # CPU copies of what the ranks send to the kernel: rank side and pool agents
     "_engine_parent": 0,  # run with -m on other hosts: the standard library only
+    "_private_files": 0,  # folders and files only this user reaches: forker, reaper, ranks
     "_notices": 0,  # what a rank tells the kernel unasked; the pool installs the carrier
     "_step_counter": 0,  # a stateful step count the kernel can unpickle without torch
     "_lines": 0,  # a stream's lines as shown (carriage returns rewrite the current line)

@@ -176,6 +176,8 @@ class Pool(FaultCalls, DebuggingCalls):
 
         self._state = PoolState.STOPPED
         self._snapshot_root = _snapshot_root.new_root()
+        # Authenticates every snapshot this pool writes (kept across restarts, for recover).
+        self._snapshot_key = _snapshot_root.new_key()
         self._processes = LaunchedProcesses(
             log_level=self._log_level, snapshot_root=self._snapshot_root
         )
@@ -344,7 +346,10 @@ class Pool(FaultCalls, DebuggingCalls):
             log_level=self._log_level,
             flight_recorder=flight_recorder_entries(self.flight_recorder),
             check_collectives=self.check_collectives,
-            engine_env={_snapshot_root.ENV_VAR: self._snapshot_root},
+            engine_env={
+                _snapshot_root.ENV_VAR: self._snapshot_root,
+                _snapshot_root.KEY_ENV_VAR: self._snapshot_key,
+            },
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         return rendezvous
