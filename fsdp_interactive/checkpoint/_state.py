@@ -118,19 +118,10 @@ def optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     ``ValueError`` if the optimizer holds a parameter that is not one of the model's.
     """
     names = param_names(model)
-    groups = []
-    for group in optimizer.param_groups:
-        try:
-            groups.append([fqn for p in group["params"] for fqn in names[id(p)]])
-        except KeyError:
-            raise ValueError(
-                "the optimizer holds a parameter that is not a parameter of the model"
-            ) from None
-    return groups
-
-
-def _has_state(optimizer: torch.optim.Optimizer) -> bool:
-    return any(bool(s) for s in optimizer.state.values())
+    held = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+    if any(key not in names for group in held for key in group):
+        raise ValueError("the optimizer holds a parameter that is not a parameter of the model")
+    return [[fqn for key in group for fqn in names[key]] for group in held]
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -140,7 +131,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     no state at all gives its groups only, and is not stepped to make any.
     """
     model = unwrapped(model)
-    if not _has_state(optimizer):
+    if not any(optimizer.state.values()):  # no parameter has state yet
         groups = optimizer_param_groups(model, optimizer)
         hyper = optimizer.state_dict()["param_groups"]
         return {
