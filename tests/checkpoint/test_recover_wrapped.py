@@ -65,6 +65,7 @@ CASES = [pytest.param(kind, 2, id=f"{kind}-2ranks") for kind in RECOVERED] + [
 ]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("kind", "size"), CASES)
 def test_recover_after_a_kill_restores_every_rank_bit_for_bit(kind, size, request, capsys):
     require(*modules_for(kind))

@@ -114,6 +114,7 @@ KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal
 STATE = "__import__('tests.checkpoint._wrappings', fromlist=['digest']).digest(model, optim)"
 
 
+@pytest.mark.timing
 def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framework_pool):
     """docs/frameworks.md's recovery recipe: the sharded model and optimizer prepared in a
     replayed cell, ``train()`` in a training cell, a snapshot, a SIGKILL, ``recover()``:
