@@ -74,11 +74,15 @@ def test_fabric_shards_with_model_parallel_strategy_over_the_pools_group(framewo
     results = _values(
         framework_pool,
         "(sharding(model, optimizer), losses, fabric.global_rank, fabric.world_size,"
-        " type(model).__name__, sharding(model.module)['class'])",
+        " type(model).__name__, sharding(model.module)['class'],"
+        " sorted(p.fqn for p in __import__('fsdp_interactive.inspect').inspect.layout("
+        "model.module).params), sorted(LlamaForCausalLM(config).state_dict()))",
     )
-    for rank, (_, _, fabric_rank, world, wrapper, inner) in results.items():
+    for rank, (_, _, fabric_rank, world, wrapper, inner, shown, clean) in results.items():
         assert (fabric_rank, world) == (rank, 2)
         assert (wrapper, inner) == ("_FabricModule", "FSDPLlamaForCausalLM")
+        # docs/frameworks.md gives the views model.module: they show the clean names
+        assert shown == clean, shown
     _check_sharded_training(results)
 
 
