@@ -11,6 +11,7 @@ import ast
 
 import pytest
 
+from tests.frameworks._checks import check_kit_views
 from tests.frameworks._installed import require
 from tests.frameworks._recipes import recipe
 
@@ -49,6 +50,8 @@ def _train_and_compare(pool, recipe_name: str, trainer: str, args: str) -> dict[
     )
     pool.run(DDP_REFERENCE.format(args=args), stream=False)
     reference = _values(pool, "(sharding(reference.model_wrapped), logged(reference))")
+    check_kit_views(pool, f"{trainer}.model_wrapped")
+    check_kit_views(pool, "reference.model_wrapped")
     for rank in (0, 1):
         layout, logs = sharded[rank]
         ddp_layout, ddp_logs = reference[rank]
