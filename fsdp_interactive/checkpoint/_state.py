@@ -26,7 +26,6 @@ exception on load, where torch's own conversion needs that state).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -38,22 +37,14 @@ from fsdp_interactive._torch_compat import get_fqns, set_optimizer_state_dict
 from fsdp_interactive.checkpoint.errors import UnsupportedModelError
 from fsdp_interactive.fsdp import _fqn_state
 from fsdp_interactive.fsdp._raw_state_dict import raw_state_dict
-
-#: Where Lightning Fabric's module wrapper is defined (``lightning`` and the standalone
-#: ``lightning_fabric`` package); looked up in ``sys.modules`` only, so that a model can
-#: be one of them only when the framework is imported already.
-_FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+from fsdp_interactive.wrapping._names import peel
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The module torch's state-dict helpers are given for ``model``: a Lightning Fabric
-    module's forward module (what Fabric's strategy wrapped), ``model`` itself otherwise."""
-    for name in _FABRIC_WRAPPERS:
-        wrappers = sys.modules.get(name)
-        fabric_module = getattr(wrappers, "_FabricModule", None)
-        if fabric_module is not None and isinstance(model, fabric_module):
-            return unwrapped(model._forward_module)
-    return model
+    """The module torch's state-dict helpers are given for ``model``: the module inside
+    Lightning's wrappers (Fabric's ``_FabricModule``: what Fabric's strategy wrapped), as
+    :mod:`fsdp_interactive.wrapping` finds it; ``model`` itself otherwise."""
+    return peel(model)[0]
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
