@@ -80,7 +80,7 @@ def check_folder_source(folder: str) -> str | None:
 
     from fsdp_interactive.checkpoint import CheckpointError
     from fsdp_interactive.checkpoint._load import check_folder
-    from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, read_record
+    from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, read_folder_record
     from fsdp_interactive.checkpoint._state import model_state
     from fsdp_interactive.pool.rank._engine_shell import user_namespace
 
@@ -93,7 +93,7 @@ def check_folder_source(folder: str) -> str | None:
                 "names no variables to load into (load it on the ranks with "
                 "fsdp_interactive.checkpoint.load(folder, model, optimizer))"
             )
-        record = read_record(path)
+        record = read_folder_record(path)
     except CheckpointError as error:
         return f"{folder} cannot be recovered to: {error}"
     model = user_namespace().get(str(record.names.get("model") or ""))
