@@ -34,8 +34,9 @@ def owned_storages(model: nn.Module) -> set[int]:
 
 def is_own(value: Any, owned: set[int]) -> bool:
     """Whether the state-dict value ``value`` is (a view of) one of the storages ``owned``,
-    so that reading into it writes the model's own tensor."""
-    if not isinstance(value, torch.Tensor):
+    so that reading into it writes the model's own tensor. Only plain tensors and DTensors
+    are judged: another tensor subclass (torch FSDP1's ``ShardedTensor``) keeps a buffer."""
+    if not (isinstance(value, DTensor) or type(value) in (torch.Tensor, nn.Parameter)):
         return False
     local = _local(value)
     return local.numel() == 0 or local.untyped_storage().data_ptr() in owned
