@@ -137,21 +137,6 @@ def left_on_hosts(hosts: HostSet, timeout: float = 20.0) -> dict[str, list[str]]
     return found
 
 
-@pytest.fixture(scope="module")
-def private_shm(testhosts: HostSet) -> Iterator[HostSet]:
-    """Every host with a ``/dev/shm`` of its own (an empty tmpfs) for the module, so that
-    a pool's snapshot root on one host is not the other's, as on real hosts."""
-    mounted = []
-    try:
-        for host in testhosts.hosts:
-            testhosts.private_dir(host.name, "/dev/shm")
-            mounted.append(host.name)
-        yield testhosts
-    finally:
-        for name in mounted:
-            testhosts.release_private_dir(name, "/dev/shm")
-
-
 def exists_on(hosts: HostSet, host: str, path: str) -> bool:
     """Whether ``path`` exists on ``host`` (in its mount namespace)."""
     return hosts.run(host, ["test", "-e", path], check=False).returncode == 0

@@ -4,7 +4,7 @@ Each host runs one forker, started by one ssh command from the kernel, which imp
 torch once and forks that host's engines with their nannies. The forkers outlive a
 rank's death and a restart (a recovery forks the new group from them); ``stop()`` ends
 them, and each removes the pool's snapshot root on its host. Every host has a
-``/dev/shm`` of its own here (``private_shm``), so each host's root is checked where it is.
+``/dev/shm`` of its own (every simulated host has), so each host's root is checked where it is.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ WRITE_SNAPSHOT = (
 
 
 @pytest.fixture(scope="module")
-def pool(private_shm, tmp_path_factory) -> Iterator[Pool]:
+def pool(testhosts, tmp_path_factory) -> Iterator[Pool]:
     profile_dir = str(tmp_path_factory.mktemp("forkers-profile"))
-    with running_ssh_pool(private_shm, PER_HOST, profile_dir) as pool:
+    with running_ssh_pool(testhosts, PER_HOST, profile_dir) as pool:
         yield pool
 
 

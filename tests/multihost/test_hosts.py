@@ -112,6 +112,17 @@ def test_a_private_dir_is_seen_by_its_host_only(testhosts, tmp_path):
     assert testhosts.ssh("hosta", f"ls {shared}").stdout.split() == ["from-head"]
 
 
+def test_each_host_has_its_own_dev_shm_as_separate_machines_do(testhosts):
+    name = f"fsdpi-test-{os.getpid()}"
+    testhosts.ssh("hosta", f"touch /dev/shm/{name}")
+    try:
+        assert testhosts.ssh("hosta", f"ls /dev/shm/{name}").returncode == 0
+        assert testhosts.ssh("hostb", f"test -e /dev/shm/{name}", check=False).returncode == 1
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        testhosts.ssh("hosta", f"rm -f /dev/shm/{name}")
+
+
 def test_down_ends_everything_a_failed_up_started(testhosts, tmp_path, monkeypatch):
     """A second set beside the session's: its own subnet; a failure half-way cleans up."""
 

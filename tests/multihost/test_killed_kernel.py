@@ -102,9 +102,9 @@ SSH_KERNEL = textwrap.dedent(
 
 
 def test_a_killed_kernel_leaves_no_rank_forker_or_snapshot_root_on_ssh_hosts(
-    private_shm, workdir, tmp_path_factory
+    testhosts, workdir, tmp_path_factory
 ):
-    hosts = private_shm
+    hosts = testhosts
     profile_dir = str(tmp_path_factory.mktemp("killed-ssh-kernel-profile"))
     kernel = subprocess.Popen(
         [sys.executable, "-c", SSH_KERNEL, str(hosts.state_dir), profile_dir],

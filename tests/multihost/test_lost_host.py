@@ -9,7 +9,7 @@ ranks on ``hosta`` alone, replays the cells and restores the snapshot from ``hos
 copies, resharded from four ranks to two: the full (gathered) parameters and optimizer
 state are bit for bit those at the snapshot, and each rank's random state is the one
 saved for its rank. Training then goes on, and ``stop()`` leaves no process and no
-snapshot root on either host. Every host has a ``/dev/shm`` of its own (``private_shm``).
+snapshot root on either host. Every simulated host has a ``/dev/shm`` of its own.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def rng_fingerprint():
 
 
 @pytest.fixture
-def pool(private_shm: HostSet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+def pool(testhosts: HostSet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     """A started ssh pool, ``PER_HOST`` ranks on each host; stopped also on failure."""
     profile_dir = str(tmp_path_factory.mktemp("lost-host-profile"))
-    with running_ssh_pool(private_shm, PER_HOST, profile_dir) as pool:
+    with running_ssh_pool(testhosts, PER_HOST, profile_dir) as pool:
         yield pool
 
 
@@ -127,9 +127,9 @@ def lose_host(hosts: HostSet, pool: Pool, host: str) -> list[int]:
 
 
 def test_a_lost_host_is_recovered_from_on_the_remaining_host_bit_for_bit(
-    pool: Pool, private_shm: HostSet
+    pool: Pool, testhosts: HostSet
 ) -> None:
-    hosts = private_shm
+    hosts = testhosts
     assert [r.host for r in pool.topology] == ["hosta", "hosta", "hostb", "hostb"]
     pool.run(SETUP, cell=1, stream=False)
     pool.run(HELPERS, cell=2, stream=False)

@@ -11,8 +11,10 @@ on a host can reach any address but loopback and the set's own subnet; the head 
 gains the route to that subnet. IPv6 is switched off on every link of a set.
 
 What is shared: the file system (virtualenv, checkout, connection files), the process
-id space and the kernel, as with containers. A host can be given a private directory
-(a tmpfs mounted in that host's mount namespace only) with :meth:`HostSet.private_dir`.
+id space and the kernel, as with containers; but every host has a ``/dev/shm`` of its own
+(an empty tmpfs in its mount namespace), as separate machines do, so what a pool keeps in
+host memory on one host is not the other's. A host can be given other private
+directories with :meth:`HostSet.private_dir`.
 
 Every process started here is recorded in ``STATE/state.json`` (pid and start time)
 before anything else happens, and ``down`` ends exactly those, SIGTERM then SIGKILL,

@@ -244,6 +244,9 @@ class HostSet(HostServices):
             step = "starting the hosts' namespaces"
             for entry in self._state["hosts"]:
                 self._start_holder(entry)
+            step = "giving each host its own /dev/shm"
+            for entry in self._state["hosts"]:
+                self.private_dir(entry["name"], "/dev/shm")
             step = "starting sshd"
             self._start_sshd()
             if slurm:
