@@ -54,6 +54,7 @@ from fsdp_interactive.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     SnapshotError,
+    SnapshotObjectsError,
     SnapshotSpaceError,
 )
 
@@ -74,6 +75,7 @@ __all__ = [
     "SaveResult",
     "SnapshotError",
     "SnapshotHandle",
+    "SnapshotObjectsError",
     "SnapshotRecord",
     "SnapshotSpaceError",
     "Stateful",

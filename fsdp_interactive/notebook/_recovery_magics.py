@@ -108,10 +108,13 @@ class RecoveryMagics:
             raise UsageError("no pool; start one with %fsdp start -n 2")
         if args.last is not None and args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of calls >= 1")
+        snapshots = self.pool.snapshots()  # also takes in what the ranks reported
         print(self.pool.journal.table(last=args.last))
-        snapshots = self.pool.snapshots()
         if snapshots:
             print("\nsnapshots: " + "; ".join(s.describe() for s in snapshots))
+        if snapshots and self.pool.state != "stopped":
+            print("\nwhat %fsdp recover would do now:")
+            self.pool.recover(dry_run=True)
 
     @magic_arguments()
     @argument("--from", dest="source", default=None, help="a snapshot id or checkpoint folder")
