@@ -231,3 +231,23 @@ def test_cell_effects_read_from_the_code(source, defines, kills, reads):
     assert set(fx.defines) == defines
     assert set(fx.kills) == kills
     assert set(fx.reads) == reads
+
+
+def test_the_example_of_docs_recovery_md():
+    cells = (
+        "import torch, tempfile\n"
+        "from fsdp_interactive import checkpoint\n"
+        "config = GPT2Config(n_layer=12)\n"
+        "model = FSDP(GPT2LMHeadModel(config), auto_wrap_policy=policy)\n"
+        "optim = torch.optim.AdamW(model.parameters(), lr=3e-4)\n",
+        "probe = model.register_forward_hook(record_activations)",
+        "for step in range(100): train_step(step)",
+        'root = tempfile.mkdtemp()\ncheckpoint.save(root + "/step-100", model, optim)',
+        "fsdp_interactive.snapshot(model=model, optimizer=optim, step=100)",
+    )
+    assert list(parts_of(*cells).values()) == [
+        "In[1] defines model, optim",
+        "In[2] changes model (model.register_forward_hook())",
+        "In[3] skipped: defines nothing the snapshot needs",
+        "In[4] skipped: uses model, optim, whose state the snapshot holds",
+    ]
