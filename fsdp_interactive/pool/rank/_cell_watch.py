@@ -222,8 +222,7 @@ def before_cell(namespace: Mapping[str, Any]) -> None:
     if replayed is not None and _notices.replaying():
         _replaying = replayed
         plan = _replay_plan.get(replayed, {})
-        if plan.get("start") is not None:
-            apply_generators(plan["start"])
+        _set_generators(plan.get("start"), replayed)
         if plan.get("skip_init"):
             _deferral = _deferral or _init_deferral.InitDeferral()
             _deferral.start()
@@ -244,9 +243,7 @@ def after_cell(namespace: Mapping[str, Any]) -> None:
         entry, _replaying = _replaying, None
         if _deferral is not None:
             _deferral.stop()
-        plan = _replay_plan.get(entry, {})
-        if plan.get("end") is not None:
-            apply_generators(plan["end"])
+        _set_generators(_replay_plan.get(entry, {}).get("end"), entry)
         return
     watch, _watch = _watch, None
     if watch is None:
@@ -255,6 +252,15 @@ def after_cell(namespace: Mapping[str, Any]) -> None:
         _notices.publish(_report(watch, namespace))
     except Exception as error:
         log.warning("could not report call %s to the kernel: %s", watch.call, error)
+
+
+def _set_generators(state: Mapping[str, Any] | None, entry: int) -> None:
+    if state is None:
+        return
+    try:
+        apply_generators(state)
+    except Exception as error:  # the replay goes on, with the generators as they are
+        log.warning("could not set the generators of replayed entry %s: %s", entry, error)
 
 
 def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
