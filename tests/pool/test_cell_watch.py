@@ -73,8 +73,11 @@ def test_a_cell_reports_its_generators_and_what_its_code_did_not_say(published):
     run_cell(namespace, "rebuild()\nx = 1", call=9)
     run_cell(namespace, "attach(model)", call=10)
     run_cell(namespace, "model(__import__('torch').ones(2))", call=11)
+    # A library's own hook (added inside one of its calls) is not the notebook's change.
+    run_cell(namespace, "model.register_forward_hook(__import__('json').dumps)", call=12)
     reports = {n["call"]: n for n in published if n["kind"] == "cell"}
-    assert set(reports) == {7, 8, 9, 10, 11}
+    assert set(reports) == {7, 8, 9, 10, 11, 12}
+    assert reports[12]["reshaped"] == {}
     assert reports[9]["rebound"] == ["model", "x"]
     assert reports[9]["reshaped"] == {}
     assert reports[10]["rebound"] == []

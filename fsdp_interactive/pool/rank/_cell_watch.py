@@ -7,7 +7,7 @@ engine's shell runs (IPython's ``pre_run_cell`` and ``post_run_cell``).
 **A journaled call** (:func:`fsdp_interactive._notices.current_call` is its entry): at its
 start this rank notes its random generators (:func:`capture_generators`), which object each
 public name of the namespace holds, and the shape of each module and optimizer there
-(submodules, hooks other than torch's and this package's own, parameter names and
+(submodules, the hooks the notebook's own code registered, parameter names and
 ``requires_grad``; optimizer parameter groups: what no ``state_dict`` holds); at its end the same again. It then sends the kernel a notice of
 kind ``"cell"``: the generators at start and end (as digests, with the states the kernel has
 not had from this process yet), the names whose object changed identity (``rebound``: what
@@ -30,11 +30,14 @@ is logged and never fails the user's cell.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
 import pickle
 import random
 import sys
+import sysconfig
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -128,18 +131,28 @@ def _shape_of(obj: Any) -> dict[str, Any] | None:
     return None
 
 
-#: Where the hooks torch and this package register for themselves come from (FSDP adds
-#: state-dict hooks on its first forward): not a change of the user's model.
-_OWN_HOOKS = ("torch.", "fsdp_interactive.")
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """Where installed code lives: the standard library, site-packages, and this package
+    (an editable install lives outside site-packages)."""
+    paths = sysconfig.get_paths()
+    folders = {paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    folders.add(os.path.dirname(os.path.abspath(_notices.__file__)))  # fsdp_interactive/
+    return tuple(os.path.join(os.path.abspath(f), "") for f in folders if f)
 
 
 def _users_hook(hook: Any) -> bool:
-    """A hook registered by the notebook's code or a library other than torch and this
-    package (a function without a module, such as a builtin, is not counted)."""
+    """A hook whose code is the notebook's own (a cell, or a module that is not an
+    installed library): torch, this package and libraries register hooks for themselves
+    inside their calls (FSDP adds state-dict hooks on its first forward; a framework's
+    ``train()`` may add its own), which a call made again after a recovery adds again."""
     function = getattr(hook, "func", hook)  # functools.partial
     function = getattr(function, "__func__", function)  # bound methods
-    module = getattr(function, "__module__", None)
-    return isinstance(module, str) and not module.startswith(_OWN_HOOKS)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    filename = os.path.abspath(code.co_filename) if os.path.isabs(code.co_filename) else ""
+    return not filename or not filename.startswith(_library_folders())
 
 
 def _shape_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
