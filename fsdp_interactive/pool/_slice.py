@@ -125,24 +125,26 @@ def slice_for(candidates: Sequence[JournalEntry], names: Mapping[str, Any] | Non
     are recorded at ``names`` (a snapshot record's ``names``); see the module's docstring."""
     roots = roots_of(names)
     if roots is None:
-        return ReplaySlice(
-            tuple(
-                Part(
-                    e,
-                    e.replay is not False,
-                    "replayed: the snapshot does not say where its objects live"
-                    if e.replay is not False
-                    else "marked %%fsdp --no-replay",
-                )
-                for e in candidates
-            )
-        )
+        return _every_candidate(candidates)
     need = {root: _Need(f"restores {what}", model, True) for root, (what, model) in roots.items()}
     modules = set(PREFILLED_MODULES).union(*(e.effects.imports for e in candidates))
     parts: list[Part] = []
     for entry in reversed(candidates):
         parts.append(_part(entry, need, modules, set(roots)))
     return ReplaySlice(tuple(reversed(parts)))
+
+
+def _every_candidate(candidates: Sequence[JournalEntry]) -> ReplaySlice:
+    """The rule for a snapshot without recorded locations: every candidate but those
+    marked ``--no-replay``."""
+    parts = []
+    for entry in candidates:
+        if entry.replay is False:
+            parts.append(Part(entry, False, "marked %%fsdp --no-replay"))
+        else:
+            why = "replayed: the snapshot does not say where its objects live"
+            parts.append(Part(entry, True, why))
+    return ReplaySlice(tuple(parts))
 
 
 def _part(entry: JournalEntry, need: dict[str, _Need], modules: set[str], roots: set[str]) -> Part:
