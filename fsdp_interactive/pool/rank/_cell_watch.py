@@ -105,23 +105,28 @@ def _shape_of(obj: Any) -> dict[str, Any] | None:
     if torch is None:
         return None
     if isinstance(obj, torch.nn.Module):
-        from fsdp_interactive._torch_compat import MODULE_HOOK_DICTS
+        from fsdp_interactive._torch_compat import MODULE_HOOK_DICTS, buffer_slots, parameter_slots
 
-        modules = tuple((name, id(sub)) for name, sub in obj.named_modules())
-        hooks = sum(
-            1
-            for _, sub in obj.named_modules()
-            for registry in MODULE_HOOK_DICTS
-            for hook in (vars(sub).get(registry) or {}).values()
-            if _users_hook(hook)
-        )
+        # One walk over the module tree (GPT-2 small: about 2 ms a cell).
+        modules, parameters, buffers = [], [], []
+        hooks = 0
+        for name, sub in obj.named_modules():
+            modules.append((name, id(sub)))
+            parameters += [
+                (name, own, p is not None and p.requires_grad)
+                for own, p in parameter_slots(sub).items()
+            ]
+            buffers += [(name, own) for own in buffer_slots(sub)]
+            attributes = vars(sub)
+            for registry in MODULE_HOOK_DICTS:
+                registered = attributes.get(registry)
+                if registered:
+                    hooks += sum(1 for hook in registered.values() if _users_hook(hook))
         return {
-            "submodules": hash(modules),
+            "submodules": hash(tuple(modules)),
             "hooks": hooks,
-            "parameters (names, requires_grad)": hash(
-                tuple((name, p.requires_grad) for name, p in obj.named_parameters())
-            ),
-            "buffers": hash(tuple(name for name, _ in obj.named_buffers())),
+            "parameters (names, requires_grad)": hash(tuple(parameters)),
+            "buffers": hash(tuple(buffers)),
         }
     if isinstance(obj, torch.optim.Optimizer):
         groups = obj.param_groups
