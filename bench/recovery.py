@@ -99,6 +99,14 @@ def train_step(step):
     optim.step()
     optim.zero_grad(set_to_none=True)
 
+def probed_step(step):
+    # train_step(step), and what it cost this process: CPU seconds, minor page faults.
+    import resource, time
+    began, before = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    train_step(step)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return time.process_time() - began, after - before
+
 def timed_steps(first, count, every):
     import time
     handle = None
@@ -127,6 +135,8 @@ _LOAD = (
 )
 _FIRST_STEP = "train_step(0)"
 _STEP = "train_step(1)"
+#: The first step after the state is back, probed (rank 0's CPU seconds and page faults).
+_PROBED_STEP = "first_step_cost = probed_step(1)"
 
 
 def setup_cell(config: Mapping[str, int]) -> str:
@@ -187,8 +197,9 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         with contextlib.redirect_stdout(io.StringIO()):
             report = pool.recover()
         recovered = time.perf_counter()
-        pool.run(_STEP, cell=7, stream=False)
+        pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
+        step_cpu, step_faults = pool.pull("first_step_cost", targets=[0])[0]
     finally:
         pool.stop()
     replayed = [entry.label for entry in report.replayed]
@@ -203,6 +214,8 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         **phases,
         "recover": recovered - detected,
         "step": done - recovered,
+        "step_cpu": float(step_cpu),
+        "step_page_faults": float(step_faults),
         "build": float(build.seconds or 0.0),
         "skipped_inits": float(outcome.skipped_inits if outcome else 0),
         "bytes_per_host": float(max(held.values())),
@@ -229,8 +242,9 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         rebuilt = time.perf_counter()
         pool.run(_LOAD.format(path=path), cell=6, stream=False)
         loaded = time.perf_counter()
-        pool.run(_STEP, cell=7, stream=False)
+        pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
+        step_cpu, step_faults = pool.pull("first_step_cost", targets=[0])[0]
     finally:
         pool.stop()
     return {
@@ -241,6 +255,8 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         "setup": rebuilt - restarted,
         "load": loaded - rebuilt,
         "step": done - loaded,
+        "step_cpu": float(step_cpu),
+        "step_page_faults": float(step_faults),
     }
 
 
@@ -362,7 +378,13 @@ def measure(
             result.measurements[f"{case}: kill to a trained step, {name}"] = stat
             result.measurements[f"{case}: kill to the state restored, {name}"] = ready[name]
         for part, values in parts.items():
-            unit = "B" if part.endswith("bytes_per_host") else "" if "inits" in part else "s"
+            unit = (
+                "B"
+                if part.endswith("bytes_per_host")
+                else ""
+                if "inits" in part or "faults" in part
+                else "s"
+            )
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
             result.measurements[name] = Stat(values, unit)
         # The last row leaves out the first step after the restore, which is the same
