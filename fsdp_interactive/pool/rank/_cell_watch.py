@@ -76,15 +76,17 @@ def capture_generators() -> dict[str, Any]:
 
 
 def apply_generators(state: Mapping[str, Any]) -> None:
-    """Set the generators ``state`` holds (from :func:`capture_generators`)."""
+    """Set the generators ``state`` holds (from :func:`capture_generators`; NumPy is
+    imported when the state holds its generator)."""
     import torch
 
     torch.set_rng_state(torch.tensor(list(state["torch"]), dtype=torch.uint8))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(list(state["cuda"]), dtype=torch.uint8))
-    numpy = sys.modules.get("numpy")
-    if "numpy" in state and numpy is not None:
+    if "numpy" in state:  # the original had imported NumPy: the replayed cell may draw
+        import numpy
+
         name, keys, pos, has_gauss, cached = state["numpy"]
         numpy.random.set_state(
             (name, numpy.frombuffer(keys, dtype=numpy.uint32).copy(), pos, has_gauss, cached)
