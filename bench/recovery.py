@@ -100,12 +100,18 @@ def train_step(step):
     optim.zero_grad(set_to_none=True)
 
 def probed_step(step):
-    # train_step(step), and what it cost this process: CPU seconds, minor page faults.
+    # train_step(step), and what it cost this process: wall and CPU seconds, minor page
+    # faults, and the times it was taken off a core (involuntary context switches).
     import resource, time
-    began, before = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    wall, cpu, before = time.perf_counter(), time.process_time(), resource.getrusage(0)
     train_step(step)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    return time.process_time() - began, after - before
+    after = resource.getrusage(0)
+    return dict(
+        wall=time.perf_counter() - wall,
+        cpu=time.process_time() - cpu,
+        page_faults=after.ru_minflt - before.ru_minflt,
+        preempted=after.ru_nivcsw - before.ru_nivcsw,
+    )
 
 def timed_steps(first, count, every):
     import time
@@ -135,8 +141,16 @@ _LOAD = (
 )
 _FIRST_STEP = "train_step(0)"
 _STEP = "train_step(1)"
-#: The first step after the state is back, probed (rank 0's CPU seconds and page faults).
+#: The first step after the state is back, probed on every rank (``probed_step``).
 _PROBED_STEP = "first_step_cost = probed_step(1)"
+
+
+def _first_step_cost(pool: Any) -> dict[str, float]:
+    """What the probed first step cost: the slowest rank's wall and CPU seconds, page
+    faults and preemptions (``step_wall``, ``step_cpu``, ``step_page_faults``,
+    ``step_preempted``)."""
+    costs = pool.pull("first_step_cost")
+    return {f"step_{key}": float(max(c[key] for c in costs)) for key in costs[0]}
 
 
 def setup_cell(config: Mapping[str, int]) -> str:
@@ -199,7 +213,7 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         recovered = time.perf_counter()
         pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
-        step_cpu, step_faults = pool.pull("first_step_cost", targets=[0])[0]
+        step_cost = _first_step_cost(pool)
     finally:
         pool.stop()
     replayed = [entry.label for entry in report.replayed]
@@ -214,8 +228,7 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         **phases,
         "recover": recovered - detected,
         "step": done - recovered,
-        "step_cpu": float(step_cpu),
-        "step_page_faults": float(step_faults),
+        **step_cost,
         "build": float(build.seconds or 0.0),
         "skipped_inits": float(outcome.skipped_inits if outcome else 0),
         "bytes_per_host": float(max(held.values())),
@@ -244,7 +257,7 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         loaded = time.perf_counter()
         pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
-        step_cpu, step_faults = pool.pull("first_step_cost", targets=[0])[0]
+        step_cost = _first_step_cost(pool)
     finally:
         pool.stop()
     return {
@@ -255,8 +268,7 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         "setup": rebuilt - restarted,
         "load": loaded - rebuilt,
         "step": done - loaded,
-        "step_cpu": float(step_cpu),
-        "step_page_faults": float(step_faults),
+        **step_cost,
     }
 
 
@@ -382,7 +394,7 @@ def measure(
                 "B"
                 if part.endswith("bytes_per_host")
                 else ""
-                if "inits" in part or "faults" in part
+                if "inits" in part or "faults" in part or "preempted" in part
                 else "s"
             )
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
