@@ -14,7 +14,9 @@ from fsdp_interactive.pool.rank._bootstrap import share_cores
 
 def test_each_cpu_rank_of_the_pool_gets_its_share_of_the_cores(pool: Pool):
     cores = len(os.sched_getaffinity(0))
-    expected = max(1, cores // pool.world_size)
+    # The pool's ranks inherit this process's environment, where a user's value rules.
+    chosen = os.environ.get("OMP_NUM_THREADS")
+    expected = int(chosen) if chosen else max(1, cores // pool.world_size)
     results = pool.run("torch.get_num_threads()", stream=False).results
     assert results == {rank: str(expected) for rank in range(pool.world_size)}
 

@@ -291,8 +291,8 @@ def share_cores(local_world_size: int) -> int:
     """A CPU rank's intra-op threads: this host's cores shared among its ranks (at least
     one each), as torchrun's ``OMP_NUM_THREADS=1`` does for one core per rank; torch's
     default, every core in every rank, oversubscribes the host (two ranks on two cores
-    took 10% longer a GPT-2 step). ``OMP_NUM_THREADS`` in the environment is left to
-    rule. Returns the thread count."""
+    run four compute threads). ``OMP_NUM_THREADS`` in the environment is left to rule.
+    Returns the thread count."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS"):
