@@ -353,7 +353,8 @@ def measure(
     result.notes.append(
         f"{model} + AdamW; {samples} sample(s) per contender and world size, the three "
         "rotated round by round, no warm-up round; each sample on fresh processes "
-        "(their start untimed). CPU ranks, gloo, one intra-op thread per rank."
+        "(their start untimed). CPU ranks, gloo; intra-op threads: the pool's ranks share "
+        "the host's cores (cores // ranks, at least 1), torchrun's have OMP_NUM_THREADS=1."
     )
     for world in worlds:
         case = f"{world} ranks"

@@ -32,8 +32,10 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
         assert 0 < ready["median"] < stat["median"]  # the first step comes after it
     held = measurements["2 ranks: one snapshot in host memory, per host"]
     assert held["unit"] == "B" and held["median"] > 0
+    assert measurements["2 ranks: ours: skipped_inits"]["median"] > 0
     for name, stat in measurements.items():
-        assert all(v > 0 for v in stat["samples"]), name
+        # Counts (page faults, preemptions, the load average) may be 0 on an idle host.
+        assert all(v > 0 if stat["unit"] else v >= 0 for v in stat["samples"]), name
     target = [c for c in figure["comparisons"] if c["target"] is not None]
     assert [(c["subject_name"], c["reference_name"]) for c in target] == [(OURS, TORCHRUN)]
     assert target[0]["ratio"] > 0 and target[0]["verdict"] in ("met", "missed", "unresolved")
