@@ -69,6 +69,7 @@ TORCHRUN = "torchrun --max-restarts 1 from a disk checkpoint"
 RESTART = "Pool.restart() + setup cell + checkpoint.load by hand"
 TARGET = Target("<=", 0.5)
 #: The replay phase against the build cell's first run.
+REPLAY = "ours: the replay phase (the build cell, initialization skipped)"
 REPLAY_TARGET = Target("<=", 1.0)
 #: A GPT-2 small enough for a smoke test (``--tiny``): the same code paths in seconds.
 TINY_CONFIG: dict[str, int] = {
@@ -434,7 +435,7 @@ def measure(
             Comparison(
                 figure=result.key,
                 case=f"{case}, the build cell",
-                subject_name="ours: the replay phase (the build cell, initialization skipped)",
+                subject_name=REPLAY,
                 reference_name="the build cell when it first ran",
                 subject=Stat(parts[f"{case}: ours: replay"], "s"),
                 reference=Stat(parts[f"{case}: ours: build"], "s"),
