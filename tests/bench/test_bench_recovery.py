@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.recovery import OURS, REPLAY, RESTART, TORCHRUN
+from bench.recovery import BUILD, OURS, REPLAY, RESTART, TORCHRUN
 from tests.bench._runs import run_module
 
 
@@ -42,7 +42,7 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
     target = [c for c in figure["comparisons"] if c["target"] is not None]
     assert [(c["subject_name"], c["reference_name"]) for c in target] == [
         (OURS, TORCHRUN),
-        (REPLAY, "the build cell when it first ran"),
+        (REPLAY, BUILD),
     ]
     for comparison in target:
         assert comparison["ratio"] > 0
