@@ -156,6 +156,22 @@ def test_replayed_cells_draw_the_random_numbers_they_drew_first(fresh):
     assert values(pool, "(noise, later)") == drawn
 
 
+def test_background_snapshots_back_to_back_in_a_notebook_call(fresh):
+    # Each snapshot checks that its objects can be found again, over the group the one
+    # still writing in the background publishes on: the check waits for it.
+    pool, _ = fresh
+    pool.run(BUILD, cell=1, stream=False)
+    take = (
+        "handles = [fsdp_interactive.snapshot(model=model, optimizer=optim, step=step, "
+        "background=True) for step in range(6)]\n"
+        "[handle.wait().step for handle in handles]"
+    )
+    steps = pool.run(take, cell=2, stream=False).results  # a notebook call: checked
+    assert {rank: ast.literal_eval(text) for rank, text in steps.items()} == {
+        rank: [0, 1, 2, 3, 4, 5] for rank in (0, 1)
+    }
+
+
 def test_objects_in_attributes_are_recorded_there_and_found_again(fresh):
     pool, tmp_path = fresh
     box = "class Box:\n    pass\nbox = Box()\nbox.net, box.opt = model, optim\n"

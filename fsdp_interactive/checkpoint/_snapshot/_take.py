@@ -188,11 +188,12 @@ def take(
         step = int(step)
     _check(model, optimizer, step, keep_last, background, stateful)
     names = record_names(namespace, model, optimizer, stateful)
+    # The snapshot in flight publishes over the same group: its collectives end first.
+    INFLIGHT.wait()
     if call is not None:
         # In a pool's notebook call a recovery will look for every object where it is now:
         # refused, on every rank alike, when one could not be found again.
         snapshot_ranks().agree(unlocated_error(names, optimizer, stateful))
-    INFLIGHT.wait()
     if background:
         # Staging may go through buffers a process keeps for every async write (pinned
         # ones for CUDA state): an async checkpoint save still writing from them must end
