@@ -48,4 +48,5 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
         assert comparison["ratio"] > 0
         assert comparison["verdict"] in ("met", "missed", "unresolved")
     assert any(c["subject_name"].startswith("steps/s") for c in figure["comparisons"])
-    assert "ours / torchrun = " in output and "| Measurement |" in output
+    assert f"{OURS} / {TORCHRUN} = " in output and f"{REPLAY} / {BUILD} = " in output
+    assert "| Measurement |" in output
