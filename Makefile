@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 # any torch in the range pyproject.toml allows.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-stress lint clean bench bench-gpu gpu-check setup-torch test-torch
+.PHONY: setup demo test test-stress lint clean bench bench-gpu gpu-check setup-torch test-torch \
+	setup-system-python test-system-python
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -56,6 +57,32 @@ setup-torch:
 test-torch: setup-torch
 	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --durations=10 $(PYTEST_ARGS)
 
+# The checkpoint, snapshot and recovery tests again on the distribution's own Python
+# (Debian 12's /usr/bin/python3 is 3.11.2, whose enum pickling differs from the 3.11
+# release .venv runs), in .venv-system-python: the package, torch's CPU build, pytest.
+SYSTEM_PYTHON ?= /usr/bin/python3
+SYSTEM_VENV    = .venv-system-python
+# Every checkpoint load unpickles DCP metadata: the save/load, error and Stateful tests,
+# every snapshot test, and the pool's snapshot root and recovery (the multi-rank FSDP1
+# recipes and the CLI are left to the main lane: about 6 minutes in all on 2 cores).
+SYSTEM_TESTS  ?= tests/checkpoint/test_metadata_unpickler.py tests/checkpoint/test_save_load.py \
+	tests/checkpoint/test_errors.py tests/checkpoint/test_stateful.py \
+	tests/checkpoint/test_snapshot_*.py tests/pool/test_snapshot_root.py \
+	tests/pool/test_recovery.py
+
+$(SYSTEM_VENV)/.installed: pyproject.toml
+	$(SYSTEM_PYTHON) -m venv $(SYSTEM_VENV)
+	$(SYSTEM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SYSTEM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(SYSTEM_VENV)/bin/python -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	touch $@
+
+setup-system-python: $(SYSTEM_VENV)/.installed
+
+test-system-python: setup-system-python
+	$(SYSTEM_VENV)/bin/python -c 'import sys; print("system Python", sys.version)'
+	$(SYSTEM_VENV)/bin/python -m pytest $(SYSTEM_TESTS) --durations=10 $(PYTEST_ARGS)
+
 # Benchmarks against torchrun, raw ipyparallel, torch FSDP1 and fully_shard: rewrites
 # docs/benchmarks.md (+ .png, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
 bench: setup
@@ -75,4 +102,4 @@ gpu-check: setup
 	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* $(SYSTEM_VENV) .pytest_cache .ruff_cache

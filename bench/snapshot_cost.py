@@ -1,4 +1,5 @@
-"""What a snapshot costs on CPU ranks, next to a disk checkpoint (a script, not a figure).
+"""What a snapshot costs on CPU ranks, next to a disk checkpoint, and how fast one restores
+(a script, not a figure).
 
 GPT-2 small built from its config (``GPT2Config()``: 124M parameters), wrapped per
 ``GPT2Block`` with ``fsdp_interactive.fsdp.FullyShardedDataParallel``, AdamW after one
@@ -6,14 +7,18 @@ step. Timed on rank 0, barrier to barrier, the contenders alternated sample by s
 
 * ``snapshot()`` synchronous, into a snapshot folder under ``/dev/shm``;
 * ``snapshot(background=True)``: the blocking part (until the call returns on every
-  rank); the background write is then awaited, untimed;
+  rank); the background part is then awaited, untimed;
 * ``fsdp_interactive.checkpoint.save`` to a fresh folder under ``/tmp`` (disk), fsynced;
-* ``restore_snapshot`` of the newest snapshot into the live objects.
+* ``restore_snapshot`` of the newest snapshot into the live objects, and the rate it
+  reads at (one host's bytes over its seconds).
 
-It prints the medians, the ratio the recovery work aims at (blocking part of a background
-snapshot <= 0.2x a synchronous disk save) and the bytes one snapshot holds per host.
+Beside the wall time, the CPU seconds rank 0's process spent on each snapshot (all its
+threads, the background part included: what a snapshot takes from training on a machine
+whose cores the ranks share). With ``--rate-steps N`` (0: skipped), the training rate
+over ``N`` steps without snapshots and with a background snapshot every ``--every``
+steps, alternated: the ratio is what a snapshot every ``--every`` steps costs.
 
-    .venv/bin/python -m bench.snapshot_cost [--ranks 2] [--samples 3]
+    .venv/bin/python -m bench.snapshot_cost [--ranks 2] [--samples 3] [--rate-steps 20]
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import time
 from typing import Any
 
 from bench.ranks import run_on_ranks
+from bench.run_info import now_and_load
 
 
-def _build() -> tuple[Any, Any]:
+def _build() -> tuple[Any, Any, Any]:
     import torch
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -38,34 +44,72 @@ def _build() -> tuple[Any, Any]:
     from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 
     torch.manual_seed(0)
-    model = FSDP(GPT2LMHeadModel(GPT2Config()), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
+    config = GPT2Config()
+    model = FSDP(GPT2LMHeadModel(config), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(1))
-    model(tokens, labels=tokens).loss.backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+
+    def train_step(step: int) -> None:
+        import torch.distributed as dist
+
+        generator = torch.Generator().manual_seed(step * 1000 + dist.get_rank())
+        tokens = torch.randint(0, config.vocab_size, (1, 32), generator=generator)
+        model(tokens, labels=tokens).loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    train_step(0)
+    return model, optim, train_step
 
 
-def _rank(shm_root: str, disk_root: str, samples: int) -> dict[str, Any]:
+def _rates(model: Any, optim: Any, train_step: Any, steps: int, every: int, samples: int) -> dict:
+    """Seconds of ``steps`` training steps without snapshots and with a background snapshot
+    every ``every`` steps, alternated ``samples`` times (rank 0's, barrier to barrier)."""
+    import torch.distributed as dist
+
+    import fsdp_interactive
+
+    seconds: dict[str, list[float]] = {"none": [], "every": []}
+    first = 1
+    for sample in range(samples):
+        for name in ("none", "every") if sample % 2 == 0 else ("every", "none"):
+            handle = None
+            dist.barrier()
+            began = time.perf_counter()
+            for step in range(first, first + steps):
+                train_step(step)
+                if name == "every" and (step + 1) % every == every // 2:
+                    handle = fsdp_interactive.snapshot(
+                        model=model, optimizer=optim, step=step + 1, background=True
+                    )
+            if handle is not None:
+                handle.wait()
+            dist.barrier()
+            seconds[name].append(time.perf_counter() - began)
+            first += steps
+    return seconds
+
+
+def _rank(shm_root: str, disk_root: str, samples: int, rate_steps: int, every: int) -> dict:
     import torch.distributed as dist
 
     import fsdp_interactive
     from fsdp_interactive import checkpoint as ck
 
     os.environ["FSDPI_SNAPSHOT_ROOT"] = shm_root
-    model, optim = _build()
+    model, optim, train_step = _build()
     parameters = sum(p.numel() for p in model.parameters())  # DTensors: global sizes
     counter = iter(range(1_000_000))
 
-    def timed(action) -> float:
+    def timed(action) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) of ``action``, barrier to barrier."""
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         action()
         dist.barrier()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     handles: list[Any] = []
+    reports: list[Any] = []
     objects = {"model": model, "optimizer": optim}
     contenders = {
         "snapshot (sync)": lambda: fsdp_interactive.snapshot(model=model, optimizer=optim),
@@ -75,26 +119,47 @@ def _rank(shm_root: str, disk_root: str, samples: int) -> dict[str, Any]:
         "checkpoint.save to disk": lambda: ck.save(
             f"{disk_root}/sample-{next(counter)}", model, optim, keep_last=1
         ),
-        "restore_snapshot": lambda: ck.restore_snapshot(None, {}, objects=objects),
+        "restore_snapshot": lambda: reports.append(ck.restore_snapshot(None, {}, objects=objects)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
-    blocking: list[float] = []
+    cpu: dict[str, list[float]] = {
+        "snapshot (sync)": [],
+        "snapshot (background, whole)": [],
+        "restore_snapshot": [],
+    }
+    handle_seconds: list[float] = []
+    phases: list[dict[str, float]] = []
     for sample in range(samples + 1):  # the first round warms up, untimed
         for name, action in contenders.items():
-            elapsed = timed(action)
-            while handles:
+            if name == "restore_snapshot":
+                elapsed = timed(action)
+                phases.append(reports.pop().phases)
+                if sample:
+                    cpu[name].append(elapsed[1])
+            elif name.startswith("snapshot (background"):
+                used = time.process_time()
+                elapsed = timed(action)
                 handle = handles.pop()
                 handle.wait()
                 if sample:
-                    blocking.append(handle.seconds)
+                    handle_seconds.append(handle.seconds)
+                    cpu["snapshot (background, whole)"].append(time.process_time() - used)
+            else:
+                elapsed = timed(action)
+                if sample and name == "snapshot (sync)":
+                    cpu[name].append(elapsed[1])
             if sample:
-                seconds[name].append(elapsed)
+                seconds[name].append(elapsed[0])
     record = ck.list_snapshots()[-1]
+    rates = _rates(model, optim, train_step, rate_steps, every, samples) if rate_steps else {}
     return {
         "seconds": seconds,
-        "handle_seconds": blocking,
+        "cpu": cpu,
+        "handle_seconds": handle_seconds,
+        "restore_phases": phases[1:],
         "bytes_per_host": record.bytes_per_host,
         "parameters": parameters,
+        "rates": rates,
     }
 
 
@@ -102,11 +167,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.snapshot_cost")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument(
+        "--rate-steps", type=int, default=0, help="steps per rate measurement (0: skip it)"
+    )
+    parser.add_argument("--every", type=int, default=10, help="steps between snapshots")
     args = parser.parse_args(argv)
+    print(f"started {now_and_load()}", flush=True)
     shm = tempfile.mkdtemp(prefix="fsdpi-bench-snapshots-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="fsdpi-bench-checkpoints-", dir="/tmp")
     try:
-        result = run_on_ranks(args.ranks, _rank, shm, disk, args.samples, timeout=3600)[0]
+        result = run_on_ranks(
+            args.ranks,
+            _rank,
+            shm,
+            disk,
+            args.samples,
+            args.rate_steps,
+            args.every,
+            timeout=7200,
+        )[0]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
@@ -118,10 +197,28 @@ def main(argv: list[str] | None = None) -> None:
         shown = ", ".join(f"{v:.3f}" for v in values)
         print(f"  {name:<40} median {medians[name]:.3f} s   ({shown})")
     print(f"  handle.seconds of the background snapshots: {result['handle_seconds']}")
+    for name, values in result["cpu"].items():
+        shown = ", ".join(f"{v:.2f}" for v in values)
+        print(f"  CPU s of rank 0, {name:<31} median {statistics.median(values):.2f} ({shown})")
     ratio = medians["snapshot (background, blocking part)"] / medians["checkpoint.save to disk"]
     print(f"  background blocking part / synchronous disk save: {ratio:.3f} (target <= 0.2)")
+    host_bytes = max(result["bytes_per_host"].values())
     for host, size in result["bytes_per_host"].items():
         print(f"  one snapshot holds {size / 2**20:.1f} MiB on host {host}")
+    restore = medians["restore_snapshot"]
+    print(f"  restore reads {host_bytes / restore / 1e9:.2f} GB/s per host (median)")
+    for phases in result["restore_phases"]:
+        print("  restore phases: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    rates = result["rates"]
+    if rates:
+        none, every = statistics.median(rates["none"]), statistics.median(rates["every"])
+        print(
+            f"  {args.rate_steps} steps: {none:.2f} s without snapshots "
+            f"({', '.join(f'{v:.2f}' for v in rates['none'])}), {every:.2f} s with one every "
+            f"{args.every} ({', '.join(f'{v:.2f}' for v in rates['every'])}): "
+            f"{none / every:.3f}x the rate (target >= 0.97)"
+        )
+    print(f"finished {now_and_load()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from fsdp_interactive._lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -35,17 +36,7 @@ _LAZY_EXPORTS = {
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fsdp_interactive' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -38,11 +38,13 @@ LAYERS: dict[str, int] = {
     "_background_groups": 0,
     "_plain": 0,  # CPU copies of what the ranks send to the kernel: rank side and pool agents
     "_engine_parent": 0,  # run with -m on other hosts: the standard library only
+    "_private_files": 0,  # folders and files only this user reaches: forker, reaper, ranks
     "_notices": 0,  # what a rank tells the kernel unasked; the pool installs the carrier
     "_step_counter": 0,  # a stateful step count the kernel can unpickle without torch
     "_lines": 0,  # a stream's lines as shown (carriage returns rewrite the current line)
     "_status_line": 0,  # lines that move in place on a text stream
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
+    "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
@@ -75,6 +77,7 @@ RANK_SIDE = (
     "_step_counter",
     "_bar_state",
     "_lines",
+    "_lazy_exports",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).
 RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")

@@ -38,6 +38,7 @@ from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._torch_compat import set_element
 from fsdp_interactive.checkpoint import _manifest, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT
+from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
 from fsdp_interactive.checkpoint._safe_reader import (
     read_metadata,
     safe_load,
@@ -115,7 +116,7 @@ def verify_files(
 
 
 def _model_targets(
-    model: nn.Module, metadata: Metadata, strict: bool
+    model: nn.Module, metadata: Metadata, strict: bool, owned: set[int] | None = None
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     current = _fqn_state.model_state(model)
     saved = {
@@ -156,7 +157,11 @@ def _model_targets(
             unexpected_keys=unexpected,
         )
     targets = {
-        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+        k: v.detach()  # the model's own tensor (``owned``: the load reads straight into it)
+        if owned is not None and is_own(v, owned)
+        else torch.empty_like(v)
+        if isinstance(v, torch.Tensor)
+        else v
         for k, v in current.items()
         if k in saved
     }
@@ -237,6 +242,8 @@ class _Targets:
     state: dict[str, Any]
     missing: list[str]
     unexpected: list[str]
+    #: The model's keys read straight into the model's own tensors (``in_place``).
+    live: set[str] = field(default_factory=set)
 
 
 def _targets(
@@ -249,8 +256,10 @@ def _targets(
     *,
     strict: bool,
     ranks: Ranks,
+    in_place: bool = False,
 ) -> _Targets:
-    model_target, missing, unexpected = _model_targets(model, metadata, strict)
+    owned = owned_storages(model) if in_place else None
+    model_target, missing, unexpected = _model_targets(model, metadata, strict, owned)
     state: dict[str, Any] = {"model": model_target}
     if optimizer is not None:
         if not manifest.has_optimizer:
@@ -273,7 +282,8 @@ def _targets(
         strict=strict,
     )
     state.update(stateful_target)
-    return _Targets(state, [*missing, *stateful_missing], unexpected)
+    live = {k for k, v in model_target.items() if owned is not None and is_own(v, owned)}
+    return _Targets(state, [*missing, *stateful_missing], unexpected, live)
 
 
 def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
@@ -287,6 +297,18 @@ def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
+def _read(state: dict[str, Any], folder: Path, ranks: Ranks) -> None:
+    """``safe_load`` of ``state`` from ``folder``; the same error on every rank."""
+    error = None
+    try:
+        safe_load(state, folder, no_dist=not ranks.distributed)
+    except (Exception, CheckpointException) as exc:
+        error = unwrap_dcp_error(exc)
+    ranks.agree(error if isinstance(error, CheckpointError) else None)
+    if error is not None:
+        raise error
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -295,6 +317,7 @@ def load(
     stateful: Mapping[str, _stateful.Stateful] | None = None,
     strict: bool = True,
     verify: bool = True,
+    in_place: bool = False,
 ) -> LoadReport:
     """Load the checkpoint folder ``path`` into ``model`` (and ``optimizer``, and the
     ``stateful`` objects); collective.
@@ -312,7 +335,10 @@ def load(
     every file's SHA-256 first (split across ranks); ``verify=False`` checks sizes only.
     Nothing is written into the model, optimizer or Stateful objects unless every check
     and every read succeeded. A running :func:`async_save` of this process is waited for
-    first.
+    first. ``in_place``: the model's state is read straight into the model's own tensors
+    where they are its storage (:mod:`._in_place`; one copy less), last, after the
+    Stateful objects took theirs (a read that fails then, which no check caught, leaves
+    the model partly loaded).
     """
     objects = _stateful.check_stateful(stateful)
     started = time.monotonic()
@@ -335,18 +361,21 @@ def load(
     targets = _agreed(
         ranks,
         lambda: _targets(
-            folder, manifest, metadata, model, optimizer, objects, strict=strict, ranks=ranks
+            folder,
+            manifest,
+            metadata,
+            model,
+            optimizer,
+            objects,
+            strict=strict,
+            ranks=ranks,
+            in_place=in_place,
         ),
     )
+    model_state = targets.state["model"]
+    buffers = {k: v for k, v in model_state.items() if k not in targets.live}
     read_started = time.monotonic()
-    error = None
-    try:
-        safe_load(targets.state, folder, no_dist=not ranks.distributed)
-    except (Exception, CheckpointException) as exc:
-        error = unwrap_dcp_error(exc)
-    ranks.agree(error if isinstance(error, CheckpointError) else None)
-    if error is not None:
-        raise error
+    _read({**targets.state, "model": buffers}, folder, ranks)
     logger.info("rank %d read its buffers in %.3fs", ranks.rank, time.monotonic() - read_started)
     if "optim" in targets.state:
         _agreed(ranks, lambda: _check_param_groups(model, optimizer, targets.state["optim"]))
@@ -367,7 +396,10 @@ def load(
             break
     ranks.agree(error)
 
-    _fqn_state.apply_model_state(model, targets.state["model"], strict=False)
+    if buffers or not in_place:
+        _fqn_state.apply_model_state(model, buffers, strict=False)
+    if in_place:  # collective: every rank reads, also one with nothing to read in place
+        _read({"model": {k: model_state[k] for k in targets.live}}, folder, ranks)
     if "optim" in targets.state:
         _fqn_state.apply_optimizer_state(model, optimizer, targets.state["optim"])
     return LoadReport(

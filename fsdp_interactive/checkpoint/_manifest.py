@@ -6,11 +6,16 @@ plus two JSON files written last, by rank 0:
 * ``manifest.json``: format version, step, world size at save time, UTC time, whether an
   optimizer is included, the saved Stateful objects (name -> ``"global"`` or
   ``"per_rank"``; absent in checkpoints saved without any), and every data file's size
-  and SHA-256;
+  and checksum. The checksum algorithm is named under ``"checksum"``: ``"sha256"``
+  (disk checkpoints; the default when absent) or ``"crc32"`` (zlib's CRC-32, snapshots:
+  about 3x cheaper; it catches damage, it is no signature: see docs/security.md);
 * ``extra.json``: the caller's ``extra`` mapping (JSON, never pickle).
 
-A folder without a readable manifest is not listed as a checkpoint. Nothing here
-talks to other ranks.
+A manifest names plain file names of its folder only (no ``/``, no ``..``): any other
+entry makes it invalid. Files are checked without following links, and only regular
+files pass (a link to ``/dev/zero`` is refused, it does not hang the check). A folder
+without a readable manifest is not listed as a checkpoint. Nothing here talks to other
+ranks.
 """
 
 from __future__ import annotations
@@ -19,28 +24,79 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.checkpoint.errors import CheckpointPathError, CorruptCheckpointError
 
 MANIFEST_FILE = "manifest.json"
 EXTRA_FILE = "extra.json"
 FORMAT = "fsdp-interactive-dcp"
 FORMAT_VERSION = 1
-_HASH_CHUNK = 1 << 20
+SHA256 = "sha256"
+CRC32 = "crc32"
+#: The checksum algorithms a manifest may name.
+CHECKSUMS = (SHA256, CRC32)
+_HASH_CHUNK = 8 << 20
+
+
+class _Crc32:
+    """zlib's CRC-32 with hashlib's ``update`` / ``hexdigest`` (8 hex digits)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def new_checksum(algorithm: str) -> Any:
+    """A fresh hasher of ``algorithm`` (one of :data:`CHECKSUMS`): ``update(bytes)``,
+    ``hexdigest()``."""
+    if algorithm == CRC32:
+        return _Crc32()
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
+
+
+def checksum_of(data: Any, algorithm: str) -> str:
+    """The ``algorithm`` checksum of the bytes ``data``, as hex."""
+    digest = new_checksum(algorithm)
+    digest.update(data)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One data file of a checkpoint: its byte size and SHA-256 hex digest."""
+    """One data file of a checkpoint: its byte size and its checksum (hex ``digest`` of
+    ``algorithm``, one of :data:`CHECKSUMS`)."""
 
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = SHA256
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain file name of a folder: not empty, no ``/``, not ``.`` or
+    ``..``, no NUL (a manifest entry ``../../dev/zero`` is not one)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
 
 
 @dataclass(frozen=True)
@@ -94,8 +150,23 @@ class Manifest:
             stateful=stateful,
         )
 
+    @property
+    def checksum(self) -> str:
+        """The checksum algorithm of its files (``"sha256"`` when it lists none)."""
+        algorithms = {record.algorithm for record in self.files.values()}
+        if len(algorithms) > 1:
+            raise ValueError(f"one manifest takes one checksum algorithm, got {sorted(algorithms)}")
+        return algorithms.pop() if algorithms else SHA256
+
     def to_json(self) -> str:
         data = asdict(self)
+        algorithm = self.checksum
+        data["files"] = {
+            name: {"size": record.size, algorithm: record.digest}
+            for name, record in self.files.items()
+        }
+        if algorithm != SHA256:  # a disk checkpoint's manifest stays as it always was
+            data["checksum"] = algorithm
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -106,8 +177,16 @@ class Manifest:
                 raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
             if data.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {data.get('format_version')!r}")
+            algorithm = data.get("checksum", SHA256)
+            if algorithm not in CHECKSUMS:
+                raise ValueError(f"unknown checksum {algorithm!r}, expected one of {CHECKSUMS}")
+            unsafe = sorted(repr(name) for name in data["files"] if not is_plain_name(name))
+            if unsafe:
+                raise ValueError(
+                    f"file names {', '.join(unsafe)} are not plain file names of the folder"
+                )
             files = {
-                str(name): FileRecord(size=int(rec["size"]), sha256=str(rec["sha256"]))
+                str(name): FileRecord(int(rec["size"]), str(rec[algorithm]), algorithm)
                 for name, rec in data["files"].items()
             }
             step = data["step"]
@@ -157,31 +236,48 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     return Manifest.from_json(text, path)
 
 
-def hash_file(path: Path) -> FileRecord:
-    """Size and SHA-256 of one file."""
-    digest = hashlib.sha256()
+def hash_file(path: Path, algorithm: str = SHA256) -> FileRecord:
+    """Size and ``algorithm`` checksum of one regular file (opened without following a
+    link; ``OSError`` for anything else)."""
+    digest = new_checksum(algorithm)
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return FileRecord(size=size, sha256=digest.hexdigest())
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    fd = _private_files.open_regular(path)
+    try:
+        while count := os.readv(fd, [buffer]):
+            digest.update(view[:count])
+            size += count
+    finally:
+        os.close(fd)
+    return FileRecord(size, digest.hexdigest(), algorithm)
 
 
 def verify_file(
     folder: Path, name: str, expected: FileRecord, *, checksum: bool = True
 ) -> str | None:
-    """Check one file's size (and, with ``checksum``, its SHA-256) against its manifest
-    record; an error message or ``None``."""
+    """Check one file's size (and, with ``checksum``, its checksum, by the record's
+    algorithm) against its manifest record; an error message or ``None``. A link or
+    anything but a regular file fails."""
     path = folder / name
     try:
-        size = path.stat().st_size
+        info = path.lstat()
     except FileNotFoundError:
         return f"{path}: file is missing"
-    if size != expected.size:
-        return f"{path}: file is {size} bytes, the manifest says {expected.size} (truncated or altered)"
-    if checksum and hash_file(path).sha256 != expected.sha256:
-        return f"{path}: checksum mismatch (file corrupted or altered)"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path}: not a regular file (a link or a device: refused)"
+    if info.st_size != expected.size:
+        return (
+            f"{path}: file is {info.st_size} bytes, the manifest says {expected.size} "
+            "(truncated or altered)"
+        )
+    if checksum:
+        try:
+            found = hash_file(path, expected.algorithm).digest
+        except OSError as exc:
+            return f"{path}: cannot read it ({exc})"
+        if found != expected.digest:
+            return f"{path}: checksum mismatch (file corrupted or altered)"
     return None
 
 

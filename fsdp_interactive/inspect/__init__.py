@@ -21,12 +21,13 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
 * ``GradNormRecorder(model)``: per-step norms from a training loop.
 """
 
-from fsdp_interactive.inspect._grad_norms import grad_norms
-from fsdp_interactive.inspect._layout import layout
-from fsdp_interactive.inspect._memory import memory
-from fsdp_interactive.inspect._names import clean_name
-from fsdp_interactive.inspect._pull import TOO_LARGE, full_param, plain_copy
-from fsdp_interactive.inspect._recorder import GradNormRecorder
+from __future__ import annotations
+
+from fsdp_interactive._lazy_exports import lazy_exports
+
+# The records are plain dataclasses, imported at once: the kernel unpickles them. The
+# probes (and the wrapping's refusal) import torch, so they are imported when first used
+# (on the ranks): a kernel that shows a record never imports torch for it.
 from fsdp_interactive.inspect._records import (
     GradNormRecord,
     GradNorms,
@@ -43,8 +44,26 @@ from fsdp_interactive.inspect._records import (
     record_from_json,
     record_to_json,
 )
-from fsdp_interactive.inspect._summon import edit_param, summon_stats
-from fsdp_interactive.wrapping import UnsupportedWrapping
+
+_INSPECT = "fsdp_interactive.inspect"
+#: Each name exported on first use, and the module it comes from.
+_LAZY = {
+    "grad_norms": f"{_INSPECT}._grad_norms",
+    "layout": f"{_INSPECT}._layout",
+    "memory": f"{_INSPECT}._memory",
+    "clean_name": f"{_INSPECT}._names",
+    "TOO_LARGE": f"{_INSPECT}._pull",
+    "full_param": f"{_INSPECT}._pull",
+    "plain_copy": f"{_INSPECT}._pull",
+    "GradNormRecorder": f"{_INSPECT}._recorder",
+    "edit_param": f"{_INSPECT}._summon",
+    "summon_stats": f"{_INSPECT}._summon",
+    "UnsupportedWrapping": "fsdp_interactive.wrapping",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+
 
 __all__ = [
     "TOO_LARGE",

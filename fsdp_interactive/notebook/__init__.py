@@ -17,8 +17,7 @@ Names are imported lazily so that loading the magics does not import matplotlib.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fsdp_interactive._lazy_exports import lazy_exports
 
 _LAZY = {
     "current_pool": "fsdp_interactive.notebook.magics",
@@ -35,14 +34,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fsdp_interactive.notebook' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

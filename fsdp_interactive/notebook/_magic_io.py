@@ -7,6 +7,7 @@ shows for the running cell.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -60,14 +61,16 @@ def pool_failures() -> tuple[type[BaseException], ...]:
     return (RankError, RankTimeout, RankDied, RankInterrupted, PoolError)
 
 
-def shown_as_message(error: BaseException, out: str | None = None) -> BaseException:
-    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames.
+def shown_message(error: BaseException, out: str | None = None) -> str:
+    """The error's message for a notebook user: what to do next in magics
+    (``%fsdp restart``), not in API calls; ``out`` is the name ``-o`` stored it under."""
+    return error.notebook_message(out) if hasattr(error, "notebook_message") else str(error)
 
-    Errors that name what to do next say it in magics here (``%fsdp restart``), not in
-    API calls; ``out`` is the name ``-o`` stored the error under.
-    """
-    message = error.notebook_message(out) if hasattr(error, "notebook_message") else str(error)
-    text = f"{type(error).__name__}: {message}"
+
+def shown_as_message(error: BaseException, out: str | None = None) -> BaseException:
+    """Make IPython show the error's own text (the ranks' tracebacks), not the magic's frames,
+    in a notebook user's words (:func:`shown_message`)."""
+    text = f"{type(error).__name__}: {shown_message(error, out)}"
     error._render_traceback_ = lambda: text.splitlines()  # type: ignore[attr-defined]
     return error
 
@@ -98,3 +101,11 @@ def describe_value(value: Any) -> str:
         return f"{kind} ({len(value)} items)"
     text = repr(value)
     return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def usage_line(func: Any, command: str) -> str:
+    """``usage: %fsdp COMMAND [--option VALUE] ...`` for the subcommand whose options
+    ``func`` declares with ``magic_arguments``, on one line."""
+    usage = func.parser.format_usage()  # "::\n\n  %_fsdp_recover [--from ...]\n    [...]"
+    words = " ".join(usage.replace("::", " ").split())
+    return "usage: " + re.sub(r"^%\S+", f"%fsdp {command}", words)

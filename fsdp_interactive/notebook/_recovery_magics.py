@@ -14,8 +14,16 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from fsdp_interactive.notebook._magic_io import current_cell_number
-from fsdp_interactive.notebook._snapshot_calls import persist_snapshot, take_snapshot
+from fsdp_interactive.notebook._magic_io import (
+    current_cell_number,
+    pool_failures,
+    shown_message,
+)
+from fsdp_interactive.notebook._snapshot_calls import (
+    SnapshotCallFailed,
+    persist_snapshot,
+    take_snapshot,
+)
 
 
 class RecoveryMagics:
@@ -70,15 +78,20 @@ class RecoveryMagics:
             self._persist(pool, None, args.persist)
             return
         step = None if args.step is None else int(args.step) if args.step.isdigit() else args.step
-        taken = take_snapshot(
-            pool,
-            args.model,
-            args.optimizer,
-            step=step,
-            keep_last=args.keep_last,
-            stateful=stateful,
-            cell=current_cell_number(self.shell),
-        )
+        try:
+            taken = take_snapshot(
+                pool,
+                args.model,
+                args.optimizer,
+                step=step,
+                keep_last=args.keep_last,
+                stateful=stateful,
+                cell=current_cell_number(self.shell),
+                shown=f"%fsdp snapshot {rest.strip()}",
+            )
+        except SnapshotCallFailed as error:
+            hint = "; check the names with %%fsdp print(dir())" if error.undefined_name else ""
+            raise UsageError(f"%fsdp snapshot: {error}{hint}") from None
         print(f"took {taken.describe() if not isinstance(taken, str) else 'snapshot ' + taken}")
         if args.persist is not None:
             self._persist(pool, taken if isinstance(taken, str) else taken.id, args.persist)
@@ -93,7 +106,10 @@ class RecoveryMagics:
                     "%fsdp snapshot MODEL OPTIMIZER --persist DIR"
                 )
             snapshot_id = known[-1].id
-        persist_snapshot(pool, snapshot_id, folder)
+        try:
+            persist_snapshot(pool, snapshot_id, folder)
+        except SnapshotCallFailed as error:
+            raise UsageError(f"%fsdp snapshot --persist: {error}") from None
         print(
             f"snapshot {snapshot_id} written to {folder} (load it with fsdp_interactive."
             f"checkpoint.load, or %fsdp recover --from {folder})"
@@ -108,17 +124,27 @@ class RecoveryMagics:
             raise UsageError("no pool; start one with %fsdp start -n 2")
         if args.last is not None and args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of calls >= 1")
-        snapshots = self.pool.snapshots()  # also takes in what the ranks reported
+        # Read first: each in the row of the call that took it, with what the ranks reported.
+        snapshots = self.pool.snapshots()
         print(self.pool.journal.table(last=args.last))
         if snapshots:
             print("\nsnapshots: " + "; ".join(s.describe() for s in snapshots))
         if snapshots and self.pool.state != "stopped":
             print("\nwhat %fsdp recover would do now:")
-            self.pool.recover(dry_run=True)
+            try:  # its checks may refuse (a snapshot no host holds): the journal still shows
+                self.pool.recover(dry_run=True)
+            except pool_failures() as error:
+                print(f"nothing: it would refuse. {shown_message(error)}")
 
     @magic_arguments()
-    @argument("--from", dest="source", default=None, help="a snapshot id or checkpoint folder")
-    @argument("--world", type=int, default=None, help="number of ranks to recover onto")
+    @argument(
+        "--from",
+        dest="source",
+        default=None,
+        metavar="ID|DIR",
+        help="a snapshot id, or a folder a snapshot was persisted to (%%fsdp snapshot --persist)",
+    )
+    @argument("--world", type=int, default=None, metavar="N", help="ranks to recover onto")
     @argument("--dry-run", action="store_true", help="print the plan only")
     def _fsdp_recover(self, rest: str) -> None:
         """%fsdp recover"""

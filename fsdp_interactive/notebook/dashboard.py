@@ -35,6 +35,11 @@ class Dashboard(View):
     is selected: every part's data is probed at construction (``text()`` and ``html()``
     show them all), but only the pictures the user looks at are drawn, each at most once
     a refresh.
+
+    The "Ranks" tab starts with the pool's state (``health``, from ``pool.check()``): a
+    rank that died, also between cells, is found by every refresh and shown there with
+    its host and signal and what to type; the parts then keep what they last showed
+    (their probes need every rank) until a recovery or a restart.
     """
 
     def __init__(
@@ -46,6 +51,7 @@ class Dashboard(View):
         if not isinstance(source, RankModel):
             raise TypeError(f"source must be a RankModel, got {type(source).__name__}")
         self.source = source
+        self.health = source.pool.check()
         self.memory: list[MemoryStats] = source.memory()
         self.layout = LayoutView(source)
         self.grads = GradNormView(source)
@@ -55,6 +61,11 @@ class Dashboard(View):
         self.checkpoints = checkpoints
 
     def refresh(self) -> None:
+        self.health = self.source.pool.check()
+        if not self.source.pool.running:
+            self.memory = []
+            self._changed()
+            return
         self.memory = self.source.memory()
         self.layout.refresh()
         self.grads.refresh()
@@ -79,9 +90,13 @@ class Dashboard(View):
             parts.append(("Checkpoints", self.checkpoints))
         return parts
 
+    def _state_lines(self) -> list[str]:
+        return self.health.lines(notebook=True)
+
     def text(self) -> str:
         sections = [
-            "== ranks ==\n" + topology_text(self.source.topology()),
+            "== ranks ==\n"
+            + "\n".join([*self._state_lines(), topology_text(self.source.topology())]),
             "== memory ==\n" + memory_text(self.memory),
         ]
         sections += [f"== {name.lower()} ==\n{part.text()}" for name, part in self._parts()]
@@ -89,7 +104,7 @@ class Dashboard(View):
 
     def html(self, figures: bool = True) -> str:
         sections = [
-            "<h4>ranks</h4>" + topology_html(self.source.topology()),
+            "<h4>ranks</h4>" + self._state_html() + topology_html(self.source.topology()),
             "<h4>memory</h4>"
             + memory_html(self.memory)
             + (figure_html(memory_figure(self.memory), "memory per rank") if figures else ""),
@@ -125,6 +140,14 @@ class Dashboard(View):
         if not box.children:
             box.children = (self._tab_parts[index - 1].widget,)
 
+    def _state_html(self) -> str:
+        broken = self.source.pool.state == "broken"
+        style = ' style="color:#b00"' if broken else ""
+        lines = html_lib.escape("\n".join(self._state_lines()))
+        return f"<pre{style}>{lines}</pre>"
+
     def _update_widget(self) -> None:
-        self._ranks.value = topology_html(self.source.topology()) + memory_html(self.memory)
+        self._ranks.value = (
+            self._state_html() + topology_html(self.source.topology()) + memory_html(self.memory)
+        )
         self._memory_image.value = figure_png(memory_figure(self.memory))

@@ -26,6 +26,8 @@ from fsdp_interactive.notebook._magic_io import (
     pool_failures,
     rank_error_class,
     shown_as_message,
+    shown_message,
+    usage_line,
 )
 from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
 from fsdp_interactive.notebook._stream_sink import StreamSink
@@ -69,10 +71,17 @@ class FsdpMagics(RecoveryMagics, Magics):
     # ------------------------------------------------------------------ helpers
 
     def _require_pool(self) -> Any:
-        if self.pool is None or not self.pool.running:
-            state = "" if self.pool is None else f" (the pool is {self.pool.state})"
-            hint = "%fsdp restart" if self.pool is not None else "%fsdp start -n 2"
-            raise UsageError(f"no running pool{state}; start one with {hint}")
+        if self.pool is None:
+            raise UsageError("no running pool; start one with %fsdp start -n 2")
+        if self.pool.state == "broken":
+            death = self.pool.check().death
+            what = f": {death.summary}" if death is not None else ""
+            steps = "%fsdp recover or %fsdp restart" if self.pool.snapshots() else "%fsdp restart"
+            raise UsageError(f"no running pool (a rank died{what}); type {steps}")
+        if not self.pool.running:
+            raise UsageError(
+                f"no running pool (the pool is {self.pool.state}); start one with %fsdp restart"
+            )
         return self.pool
 
     # ------------------------------------------------------------------ %fsdp
@@ -181,12 +190,14 @@ class FsdpMagics(RecoveryMagics, Magics):
 
     def _fsdp_stop(self, rest: str) -> None:
         self._no_arguments("stop", rest)
-        ranks = self.pool.world_size if self.pool is not None else 0
-        if self.pool is not None:
-            self.pool.stop()
-        self.pool = None
+        pool, self.pool = self.pool, None
         self._set_auto(False)
-        print(f"stopped {ranks} ranks" if ranks else "no pool was running")
+        if pool is None or pool.state == "stopped":
+            print("no pool was running")
+            return
+        ranks, state = pool.world_size, pool.state
+        pool.stop()
+        print(f"stopped {ranks} ranks" if ranks else f"stopped the pool (it was {state})")
 
     def _fsdp_restart(self, rest: str) -> None:
         self._no_arguments("restart", rest)
@@ -204,19 +215,24 @@ class FsdpMagics(RecoveryMagics, Magics):
         print("\n".join(report.lines(notebook=True)))
 
     def _fsdp_status(self, rest: str) -> None:
+        """%fsdp status: the pool's state (a rank that died since the last cell is found
+        here), its ranks and their memory; never raises for the pool's state."""
         self._no_arguments("status", rest)
         if self.pool is None:
             print("no pool; start one with %fsdp start -n 2")
             return
-        print(f"pool {self.pool.state}, {self.pool.world_size} ranks")
+        print("\n".join(self.pool.check().lines(notebook=True)))
         if not self.pool.running:
             return
-        from fsdp_interactive.inspect import memory
+        from fsdp_interactive.notebook.rank_model import RankModel
         from fsdp_interactive.notebook.render import memory_text, topology_text
 
         print(topology_text(self.pool.topology))
         print()
-        print(memory_text(self.pool.call(memory)))
+        try:
+            print(memory_text(RankModel(self.pool).memory()))
+        except pool_failures() as error:
+            print(f"memory not asked: {shown_message(error)}")
 
     def _fsdp_push(self, rest: str) -> None:
         names = shlex.split(rest)
@@ -356,10 +372,7 @@ class FsdpMagics(RecoveryMagics, Magics):
         try:
             return parse_argstring(func, rest)
         except UsageError as error:
-            usage = func.parser.format_usage().replace("usage: ", "").strip()
-            raise UsageError(
-                f"%fsdp {command}: {error}\nusage: %fsdp {command} {usage.split(' ', 1)[-1]}"
-            ) from None
+            raise UsageError(f"%fsdp {command}: {error}\n{usage_line(func, command)}") from None
 
     @staticmethod
     def _no_arguments(command: str, rest: str) -> None:
@@ -421,6 +434,11 @@ class FsdpMagics(RecoveryMagics, Magics):
         args = self._parse_cell(line)
         if args.replay and args.no_replay:
             raise UsageError("%%fsdp: type either --replay or --no-replay, not both")
+        if self.pool is not None and self.pool.state == "broken":
+            try:  # raises what happened to the group, and what works now
+                self.pool.run(cell, cell=current_cell_number(self.shell))
+            except pool_failures() as error:
+                raise shown_as_message(error) from None
         pool = self._require_pool()
         targets = parse_targets(args.targets, pool.world_size)
         ranks = targets if targets is not None else list(range(pool.world_size))

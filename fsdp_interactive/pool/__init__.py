@@ -2,7 +2,7 @@
 
 Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 :mod:`fsdp_interactive.pool.errors`) are what its calls raise, and ``Pool.state`` is a
-:class:`PoolState`. ``Pool.trace()`` returns a :class:`CollectiveTrace` (per rank a
+:class:`PoolState` (``Pool.check()`` returns a :class:`PoolHealth`). ``Pool.trace()`` returns a :class:`CollectiveTrace` (per rank a
 :class:`RecorderDump`), ``Pool.interrupt()`` an :class:`InterruptReport` and
 ``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
 hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
@@ -13,7 +13,7 @@ method when it has one, each :class:`RankDisplay` they publish. Rank-side start-
 
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
-from fsdp_interactive.pool._state import PoolState
+from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
@@ -27,6 +27,7 @@ from fsdp_interactive.pool.errors import (
     RankError,
     RankInterrupted,
     RankTimeout,
+    RecoveryError,
 )
 from fsdp_interactive.pool.processes._devices import visible_cuda_device_count
 from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_hosts
@@ -38,6 +39,7 @@ __all__ = [
     "Pool",
     "PoolBusy",
     "PoolError",
+    "PoolHealth",
     "PoolNotRunning",
     "PoolStartError",
     "PoolState",
@@ -48,6 +50,7 @@ __all__ = [
     "RankRecord",
     "RankTimeout",
     "RecorderDump",
+    "RecoveryError",
     "RunResult",
     "TaggedPrinter",
     "check_ssh_hosts",

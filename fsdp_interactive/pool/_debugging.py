@@ -7,7 +7,8 @@ for local and remote ranks, and works while ranks are busy or blocked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from fsdp_interactive.pool._dispatch import Targets, resolve_targets
 from fsdp_interactive.pool.common._collectives import CollectiveTrace
@@ -33,6 +34,9 @@ class DebuggingCalls:
     def _running(self) -> LiveGroup:
         raise NotImplementedError
 
+    def snapshots(self) -> list[Any]:
+        raise NotImplementedError
+
     def interrupt(self, targets: Targets = None) -> InterruptReport:
         """Send SIGINT to the targeted ranks (through ipyparallel's nanny); say what it did.
 
@@ -47,7 +51,7 @@ class DebuggingCalls:
         report = live.interrupt(resolve_targets(targets, self.world_size), self.interrupt_grace)
         if report.needs_restart:
             self.needs_restart = True
-        return report
+        return dataclasses.replace(report, snapshot_taken=bool(self.snapshots()))
 
     def busy_ranks(self) -> list[int]:
         """Ranks still running a call that timed out or was interrupted."""

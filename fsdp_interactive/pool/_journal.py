@@ -60,9 +60,9 @@ class JournalEntry:
     ``None`` for every rank; ``started``: wall-clock time; ``seconds``: how long it ran
     (``None`` while running); ``replay``: ``None`` when the recovery's slice decides whether
     to replay it, ``True`` always (``%%fsdp --replay``), ``False`` never (``--no-replay``);
-    ``snapshots``: ids of the snapshots taken while it ran; ``rebound`` and ``reshaped``:
-    names whose object the ranks saw it replace or reshape (hooks, submodules,
-    ``requires_grad``) beyond what its code shows.
+    ``snapshots``: ids of the snapshots taken while it ran (read after the call ends, so in
+    its own row at once); ``rebound`` and ``reshaped``: names whose object the ranks saw it
+    replace or reshape (hooks, submodules, ``requires_grad``) beyond what its code shows.
     """
 
     id: int
@@ -77,6 +77,9 @@ class JournalEntry:
     snapshots: list[str] = field(default_factory=list)
     rebound: set[str] = field(default_factory=set)
     reshaped: dict[str, str] = field(default_factory=dict)
+    #: What the journal shows for the call instead of ``source`` (the magic line that
+    #: generated the code), ``None``: its source.
+    shown: str | None = None
 
     @property
     def replayable(self) -> bool:
@@ -94,7 +97,8 @@ class JournalEntry:
         return f"In[{self.cell}]" if self.cell is not None else f"call {self.id}"
 
     def first_line(self, width: int = 48) -> str:
-        line = next((ln.strip() for ln in self.source.splitlines() if ln.strip()), "")
+        text = self.source if self.shown is None else self.shown
+        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
         return line if len(line) <= width else line[: width - 3] + "..."
 
 
@@ -129,8 +133,9 @@ class Journal:
         cell: int | None = None,
         targets: Sequence[int] | None = None,
         replay: bool | None = None,
+        shown: str | None = None,
     ) -> JournalEntry:
-        """A new running entry in the current epoch."""
+        """A new running entry in the current epoch (``shown``: see :class:`JournalEntry`)."""
         entry = JournalEntry(
             id=next(self._ids),
             epoch=self.epoch.number,
@@ -138,6 +143,7 @@ class Journal:
             cell=cell,
             targets=None if targets is None else list(targets),
             replay=replay,
+            shown=shown,
         )
         self.entries.append(entry)
         return entry

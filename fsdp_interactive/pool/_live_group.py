@@ -5,7 +5,8 @@ torn down. It holds the ipyparallel client, the formed group (a record and a vie
 rank, :class:`~._rendezvous.Group`), the :class:`Diagnosis` of its ranks and the calls
 that still run on them (:class:`~._dispatch.Unfinished`), and it is what sends a call
 (:meth:`LiveGroup.views`, :meth:`LiveGroup.pending`), tells which ranks died
-(:meth:`LiveGroup.dead_ranks`) and signals ranks (:meth:`LiveGroup.signal`).
+(:meth:`LiveGroup.dead_ranks`: asked while a call waits, and before every call) and
+signals ranks (:meth:`LiveGroup.signal`).
 
 Faults: a group that lost a rank cannot take it back, so a dead rank makes the whole
 LiveGroup unusable; the pool closes it (:meth:`LiveGroup.close`) and a later start makes
@@ -36,6 +37,7 @@ from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._death_report import CallRecord
 from fsdp_interactive.pool.diagnostics._diagnosis import Diagnosis
 from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport, settle
+from fsdp_interactive.pool.errors import RankDied
 from fsdp_interactive.pool.processes._launched import LaunchedProcesses
 
 log = logging.getLogger(__name__)
@@ -148,10 +150,14 @@ class LiveGroup:
     def _note_call(self, records: Mapping[int, CallRecord]) -> None:
         self._dying_call = dict(records)
 
-    def death_error(self, dead: list[int]) -> Exception:
+    def death_error(self, dead: list[int], *, between_calls: bool = False) -> RankDied:
         """The :class:`~.errors.RankDied` that reports how ``dead`` ended, and what each
-        wrote during the call that saw the deaths (noted by that call's wait)."""
-        return self.diagnosis.death_error(dead, self._processes.engine, self._dying_call)
+        wrote during the call that saw the deaths (noted by that call's wait);
+        ``between_calls``: no call ran when they died."""
+        during = {} if between_calls else self._dying_call
+        return self.diagnosis.death_error(
+            dead, self._processes.engine, during, between_calls=between_calls
+        )
 
     def signal(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` (through ipyparallel's nannies, else the launchers)."""

@@ -13,9 +13,10 @@ the pool started, also at interpreter exit or (through a reaper) when the kernel
 The pool is a facade over parts that each live in the folder that says where they run:
 :mod:`._placement` (ranks, devices, backend), :mod:`._rendezvous` (forming the group),
 :mod:`._live_group` and :mod:`._dispatch` (a formed group and its calls),
-:mod:`._journal`, :mod:`._snapshots`, :mod:`._faults` and :mod:`._recovery` (what keeps the
-work through a fault), ``processes/`` (starting, forking, watching and ending engines, on
-this host and others), ``rank/`` (what runs inside every engine) and ``diagnostics/``
+:mod:`._journal`, :mod:`._snapshots`, :mod:`._faults`, :mod:`._fault_calls` and
+:mod:`._recovery` (what keeps the work through a fault), ``processes/`` (starting,
+forking, watching and ending engines, on this host and others), ``rank/`` (what runs
+inside every engine) and ``diagnostics/``
 (stacks, timeouts, deaths, interrupts, the debugger). Its states are
 :class:`~._state.PoolState`.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,15 +42,15 @@ from fsdp_interactive.pool._dispatch import (
     check_timeout,
     resolve_targets,
 )
+from fsdp_interactive.pool._fault_calls import FaultCalls
 from fsdp_interactive.pool._faults import PoolFaults
 from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._live_group import LiveGroup
 from fsdp_interactive.pool._options import check_options, flight_recorder_entries
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
 from fsdp_interactive.pool._placement import check_request, plan
-from fsdp_interactive.pool._recovery import RecoveryPlan, RecoveryReport, execute, make_plan
 from fsdp_interactive.pool._rendezvous import Rendezvous, connect_client
-from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
+from fsdp_interactive.pool._snapshots import SnapshotBook
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
@@ -64,9 +64,6 @@ from fsdp_interactive.pool.processes._launched import BROKEN_STOP_TIMEOUT_S, Lau
 from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_calls
 
 log = logging.getLogger(__name__)
-
-#: Seconds to wait, after a rank died, for the deaths that come with it.
-_DEATHS_SETTLE_S = 0.5
 
 # Running pools are held here until stopped, so one is never garbage-collected while
 # its processes run; at interpreter exit every pool still here is stopped.
@@ -82,7 +79,7 @@ def _stop_live_pools() -> None:
 atexit.register(_stop_live_pools)
 
 
-class Pool(DebuggingCalls):
+class Pool(FaultCalls, DebuggingCalls):
     """A pool of ``n`` engines, each one ``torch.distributed`` rank.
 
     Parameters
@@ -179,6 +176,8 @@ class Pool(DebuggingCalls):
 
         self._state = PoolState.STOPPED
         self._snapshot_root = _snapshot_root.new_root()
+        # Authenticates every snapshot this pool writes (kept across restarts, for recover).
+        self._snapshot_key = _snapshot_root.new_key()
         self._processes = LaunchedProcesses(
             log_level=self._log_level, snapshot_root=self._snapshot_root
         )
@@ -317,6 +316,7 @@ class Pool(DebuggingCalls):
             self._teardown()
             raise
         self._state = PoolState.RUNNING
+        self._faults.started()
         self.needs_restart = False
         self.journal.new_epoch()
         log.debug("running: %d ranks, started in %.2fs", n, time.monotonic() - began)
@@ -346,7 +346,10 @@ class Pool(DebuggingCalls):
             log_level=self._log_level,
             flight_recorder=flight_recorder_entries(self.flight_recorder),
             check_collectives=self.check_collectives,
-            engine_env={_snapshot_root.ENV_VAR: self._snapshot_root},
+            engine_env={
+                _snapshot_root.ENV_VAR: self._snapshot_root,
+                _snapshot_root.KEY_ENV_VAR: self._snapshot_key,
+            },
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         return rendezvous
@@ -367,6 +370,7 @@ class Pool(DebuggingCalls):
                 self.call(_snapshot_calls.drop_here, timeout=30)
             except Exception as error:  # the forkers and the lines below still free them
                 log.debug("the ranks could not free their hosts' snapshots: %s", error)
+        self._faults.finish_cleanup()  # a rank found dead just now: its teardown first
         self._teardown()
         _snapshot_root.remove_root(self._snapshot_root)
         self._snapshot_book.clear()
@@ -422,6 +426,7 @@ class Pool(DebuggingCalls):
         journal: bool = True,
         replaying: bool = False,
         replayed: int | None = None,
+        journal_text: str | None = None,
     ) -> RunResult:
         """Execute ``code`` on the targeted ranks concurrently; return their output.
 
@@ -440,8 +445,11 @@ class Pool(DebuggingCalls):
         Every run is an entry of :attr:`journal`; :meth:`recover` replays it when its slice
         needs it (:mod:`._slice`), ``replay=True`` always (``%%fsdp --replay``),
         ``replay=False`` never (``--no-replay``). ``journal=False`` leaves it out (calls the
-        package makes for itself); ``replaying`` marks a recovery's own replay (no snapshot
-        is taken), ``replayed`` the entry it replays (its generators are set around it).
+        package makes for itself), ``journal_text`` is what the journal shows instead of
+        ``code`` (the magic line that generated it); ``replaying`` marks a recovery's own
+        replay (no snapshot is taken), ``replayed`` the entry it replays (its generators are
+        set around it). A rank that died since the last call raises :class:`RankDied` here,
+        and ``code`` does not run.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python source, got {type(code).__name__}")
@@ -456,6 +464,7 @@ class Pool(DebuggingCalls):
                 cell=cell,
                 targets=None if targets in (None, "all") else list(views),
                 replay=replay,
+                shown=journal_text,
             )
             if journal
             else None
@@ -528,59 +537,26 @@ class Pool(DebuggingCalls):
         with self._faults.outcome(None):
             return self._pending(handles).wait()
 
-    # ------------------------------------------------------------------ faults
-
-    def recover(
-        self,
-        from_: str | os.PathLike | None = None,
-        *,
-        world: int | None = None,
-        dry_run: bool = False,
-    ) -> RecoveryReport | RecoveryPlan:
-        """Bring the ranks back to a snapshot: after ``RankDied``, a wedged collective, a
-        lost host, or at any time.
-
-        Ends what is left of the group, starts a fresh one (on the hosts that remain; on
-        ``world`` ranks when given, resharding), replays the journal's calls that built the
-        names the snapshot was taken among, and loads the snapshot into them (model,
-        optimizer, RNG, stateful objects). ``from_``: a snapshot id (default: the newest)
-        or a checkpoint folder. ``dry_run``: only return (and print) the plan. Prints and
-        returns a :class:`RecoveryReport` (the snapshot's step and age, the calls replayed,
-        each phase's seconds). Raises :class:`RecoveryError`: without anything to recover
-        to (the pool is untouched), or when a replayed call fails (the pool then runs a
-        fresh, empty group). See :mod:`._recovery`.
-        """
-        if self._state is PoolState.STOPPED:
-            raise PoolNotRunning("the pool is stopped (and its snapshots freed)", START)
-        plan = make_plan(self, from_, world)
-        if dry_run:
-            print(plan, flush=True)
-            return plan
-        report = execute(self, plan, say=lambda line: print(line, flush=True))
-        self._faults.lost_hosts = []
-        print(report, flush=True)
-        return report
-
-    def snapshots(self) -> list[SnapshotInfo]:
-        """The snapshots the kernel heard of, oldest first (see :mod:`._snapshots`)."""
-        self._faults.take_notices()
-        return self._snapshot_book.all()
-
     # ------------------------------------------------------------------ calls' plumbing
 
     def _running(self) -> LiveGroup:
         """The live group, or :class:`PoolNotRunning` saying what to do."""
         if self._state is PoolState.BROKEN:
-            raise PoolNotRunning("a rank died and the group was torn down", RECOVER, RESTART)
+            death = self._faults.death
+            what = death.summary if death is not None else "a rank died"
+            raise PoolNotRunning(f"{what}, and the group was torn down", RECOVER, RESTART)
         if self._state is not PoolState.RUNNING or self._live is None:
             raise PoolNotRunning("the pool is not running", START)
         return self._live
 
     def _begin(self, targets: Targets, timeout: float | None) -> dict[int, Any]:
-        """The views of the targeted ranks, once the pool can take a call."""
-        live = self._running()
-        check_timeout(timeout)
-        return live.views(resolve_targets(targets, self.world_size))
+        """The views of the targeted ranks, once the pool can take a call (a rank that
+        died since the last call raises here, recovered from with ``recover="auto"``)."""
+        with self._faults.outcome(None):
+            self._faults.before_call()
+            live = self._running()
+            check_timeout(timeout)
+            return live.views(resolve_targets(targets, self.world_size))
 
     def _pending(self, handles: dict[int, Any], **options: Any) -> PendingCall:
         assert self._live is not None

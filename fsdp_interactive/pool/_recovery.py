@@ -6,8 +6,9 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
    by id) or disk checkpoint (a folder) to go back to, which journal entries rebuild the
    objects it restores into (the slice, :mod:`._slice`: each candidate entry's part and
    why), and on how many ranks (the same; the hosts that remain after a lost host;
-   ``world=``). Nothing is touched when there is nothing to recover to. ``dry_run`` stops
-   here.
+   ``world=``). Nothing is touched when there is nothing to recover to, or when the checks
+   of :mod:`._recovery_checks` refuse the input (they ask the ranks while they run).
+   ``dry_run`` stops here.
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
    killed); the host's engine forkers and the snapshots in host memory stay.
 3. **start**: a fresh group on the same placement (or the reduced one).
@@ -43,9 +44,16 @@ from typing import Any
 
 from fsdp_interactive.pool import _replay
 from fsdp_interactive.pool._journal import JournalEntry
+from fsdp_interactive.pool._recovery_checks import (
+    FROM_FOLDER,
+    TAKE_SNAPSHOT,
+    check_folder,
+    check_snapshot,
+    check_world,
+)
 from fsdp_interactive.pool._slice import ReplaySlice, slice_for
-from fsdp_interactive.pool._snapshots import SnapshotInfo
-from fsdp_interactive.pool.errors import PoolError
+from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
+from fsdp_interactive.pool.errors import RecoveryError
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
@@ -58,11 +66,6 @@ _RESTORED = "_fsdp_interactive_restored"
 
 def _calls(count: int) -> str:
     return f"{count} call" if count == 1 else f"{count} calls"
-
-
-class RecoveryError(PoolError):
-    """A recovery could not bring the ranks back; the message says which phase failed and
-    why, and what state the pool is left in (a fresh group, or untouched)."""
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,12 @@ def make_plan(
     from_: str | os.PathLike | None,
     world: int | None,
 ) -> RecoveryPlan:
-    """The plan for ``pool.recover(from_, world=world)``; raises :class:`RecoveryError`
-    (nothing touched) when there is nothing to recover to."""
+    """The plan for ``pool.recover(from_, world=world)``, once the checks of
+    :mod:`._recovery_checks` pass; :class:`RecoveryError` (nothing touched) for what they
+    refuse, and when there is nothing to recover to."""
     if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
         raise ValueError(f"world must be a number of ranks >= 1 or None, got {world!r}")
+    check_world(pool, world)
     pool._faults.take_notices()
     book, journal = pool._snapshot_book, pool.journal
     dropped = tuple(pool._faults.lost_hosts)
@@ -171,8 +176,7 @@ def make_plan(
         raise TypeError(f"from_ must be a snapshot id or a checkpoint folder, got {from_!r}")
     if from_ is not None and (os.sep in str(from_) or os.path.isdir(from_)):
         folder = os.path.abspath(os.fspath(from_))
-        if not os.path.isdir(folder):
-            raise RecoveryError(f"no checkpoint folder {folder!r}; nothing was changed")
+        check_folder(pool, folder)
         sliced = slice_for(journal.replay_for(None), None)
         return RecoveryPlan(None, folder, sliced.replay, world, dropped, True, sliced)
     if from_ is not None:
@@ -186,10 +190,9 @@ def make_plan(
         snapshot = book.latest()
         if snapshot is None:
             raise RecoveryError(
-                "no snapshot to recover to: take one with fsdp_interactive.snapshot(model=..., "
-                "optimizer=...) in a cell (or %fsdp snapshot), or name a checkpoint folder with "
-                "pool.recover(from_=FOLDER); nothing was changed"
+                "no snapshot to recover to; nothing was changed", TAKE_SNAPSHOT, FROM_FOLDER
             )
+    check_snapshot(pool, snapshot, pinned=from_ is not None)
     sliced = slice_for(journal.replay_for(snapshot.call), snapshot.names)
     return RecoveryPlan(snapshot, None, sliced.replay, world, dropped, from_ is not None, sliced)
 
@@ -231,7 +234,9 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             restored = _restore(pool, source)
         except _Refused as refusal:
             refused.append(f"{source}: {refusal}")
-            say(f"recovery: {source} refused ({refusal}); trying an older snapshot")
+            older = candidates[attempt + 1] if attempt + 1 < len(candidates) else None
+            tried = f"; trying the older snapshot {older.id}" if older is not None else ""
+            say(f"recovery: {source} refused ({refusal}){tried}")
             lap("restore")
             continue
         lap("restore")
@@ -407,24 +412,3 @@ def _fresh_group(pool: Pool) -> None:
         pool.start()
     except Exception as error:  # reported by the RecoveryError the caller raises
         log.debug("could not start a fresh group after a failed recovery: %s", error)
-
-
-def held_snapshots(pool: Pool) -> dict[str, SnapshotInfo]:
-    """Every snapshot some host of ``pool``'s running group holds (each rank lists its
-    host's); the kernel's book learns of them too."""
-    from fsdp_interactive.pool.rank._snapshot_calls import held_here
-
-    listings = pool.call(held_here)
-    held = held_in(listings)
-    pool._snapshot_book.add(dataclasses.asdict(info) for info in held.values())
-    return held
-
-
-def held_in(listings: Sequence[Sequence[Any]]) -> dict[str, SnapshotInfo]:
-    """Every snapshot some rank's host holds, from each rank's ``list_snapshots()``."""
-    held: dict[str, SnapshotInfo] = {}
-    for listing in listings:
-        for record in listing:
-            info = SnapshotInfo.from_record(record)
-            held.setdefault(info.id, info)
-    return held

@@ -8,7 +8,10 @@ cluster the pool connected to), each a call on the engines into
 2. describe the engines (host, address, pid, and their CUDA device counts when the
    placement needs them), assign ranks (:mod:`pool.common._topology`) and settle the
    placement from those reports (:func:`pool._placement.settle`);
-3. rank 0 opens a ``TCPStore`` on a port it binds itself (no free-port race);
+3. rank 0 opens the rendezvous store: with every rank on one host a ``FileStore`` in the
+   pool's private snapshot root (no other local user can reach it), with ranks on
+   several hosts a ``TCPStore`` on a port it binds itself (no free-port race; torch's
+   store authenticates nothing, so the hosts' network must be trusted);
 4. all ranks start their diagnostics agent (:mod:`pool.rank._agent`, through the engine
    hooks of :mod:`pool.rank._engine_shell`), then call ``init_process_group`` concurrently on
    the store, count themselves in on it, wait for the full count and check the
@@ -16,8 +19,8 @@ cluster the pool connected to), each a call on the engines into
 5. every rank's namespace gets ``torch``, ``dist``, ``rank``, ``world_size``,
    ``local_rank`` and ``device``.
 
-A single-host group keeps gloo's, NCCL's, the store's and the agents' listeners on
-loopback. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
+A single-host group keeps gloo's, NCCL's and the agents' listeners on loopback, and its
+store in a file. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
 listens on that address only, each agent on its rank's address, and each rank binds
 gloo (and NCCL) to the interface that holds its address (see
 :func:`pool.rank._bootstrap.bind_collective_sockets`). The agents' key is
@@ -44,7 +47,7 @@ from typing import Any
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
-from fsdp_interactive.pool.common import _hosts
+from fsdp_interactive.pool.common import _hosts, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
 from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
 from fsdp_interactive.pool.errors import PoolStartError
@@ -181,19 +184,29 @@ class Rendezvous:
 
         single_host = len({slot.host for slot in slots}) == 1
         master_addr = "127.0.0.1" if single_host else slots[0].address
-        # torch's TCPStore server listens on every interface whatever host it is given;
-        # the socket rank 0 binds itself (passed as master_listen_fd) decides.
+        nonce = secrets.token_bytes(16)
+        group.nonce = nonce
+        # One host: a file in the pool's private root, which no other local user reaches
+        # (a TCPStore on loopback accepts any). Several: torch's TCPStore server, which
+        # listens on every interface whatever host it is given; the socket rank 0 binds
+        # itself (passed as master_listen_fd) decides.
+        root = self._engine_env.get(_snapshot_root.ENV_VAR)
+        store_file = (
+            os.path.join(root, f"{rank_side.STORE_FILE_PREFIX}{nonce.hex()[:16]}")
+            if single_host and root
+            else None
+        )
         bind = master_addr
         store_timeout = min(self._pg_timeout, self._timeout)
         port = self.gather_ranks(
             {0: group.views[0]},
-            lambda _, view: view.apply_async(rank_side.open_store, bind, n, store_timeout),
+            lambda _, view: view.apply_async(
+                rank_side.open_store, bind, n, store_timeout, store_file
+            ),
             "opening the rendezvous store",
         )[0]
 
         env = {**(socket_env() if single_host else {}), **self._engine_env}
-        nonce = secrets.token_bytes(16)
-        group.nonce = nonce
         specs = {
             slot.rank: {
                 "rank": slot.rank,
@@ -202,6 +215,7 @@ class Rendezvous:
                 "local_world_size": slot.local_world_size,
                 "master_addr": master_addr,
                 "master_port": port,
+                "store_file": store_file,
                 "backend": placement.backend,
                 "device": placement.device_for(slot.local_rank),
                 "cuda_devices": placement.visible_for(slot.local_world_size),

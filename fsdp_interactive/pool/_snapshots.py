@@ -16,9 +16,14 @@ therefore asks the ranks what their hosts hold, and trusts that over the book.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from fsdp_interactive.pool.rank._snapshot_calls import held_here
+
+#: A :class:`~._pool.Pool` (not imported: the pool imports this module).
+Pool = Any
 
 
 @dataclass(frozen=True)
@@ -112,3 +117,22 @@ class SnapshotBook:
 
     def latest(self) -> SnapshotInfo | None:
         return self._known[max(self._known)] if self._known else None
+
+
+def held_snapshots(pool: Pool) -> dict[str, SnapshotInfo]:
+    """Every snapshot some host of ``pool``'s running group holds (each rank lists its
+    host's); the kernel's book learns of them too."""
+    listings = pool.call(held_here)
+    held = held_in(listings)
+    pool._snapshot_book.add(asdict(info) for info in held.values())
+    return held
+
+
+def held_in(listings: Sequence[Sequence[Any]]) -> dict[str, SnapshotInfo]:
+    """Every snapshot some rank's host holds, from each rank's ``list_snapshots()``."""
+    held: dict[str, SnapshotInfo] = {}
+    for listing in listings:
+        for record in listing:
+            info = SnapshotInfo.from_record(record)
+            held.setdefault(info.id, info)
+    return held

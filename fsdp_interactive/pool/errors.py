@@ -119,8 +119,21 @@ class Advised:
 
     def recovery_failed(self, reason: str) -> None:
         """Say that an automatic recovery was tried and why it failed; the advice stays."""
-        line = f"Automatic recovery failed: {reason}"
+        self.add_note_line(f"Automatic recovery failed: {reason}")
+
+    def add_head_line(self, line: str) -> None:
+        """Add ``line`` to what happened, before the advice."""
+        self._head = f"{self._head}\n{line}" if self._head else line
+        self.args = (self._compose(False),)
+
+    def add_note_line(self, line: str) -> None:
+        """Add ``line`` before the message's tail (what the ranks wrote)."""
         self._tail = f"{line}\n{self._tail}" if self._tail else line
+        self.args = (self._compose(False),)
+
+    def advise(self, *steps: Step) -> None:
+        """Replace what the message names to do next with ``steps``."""
+        self.advice = steps
         self.args = (self._compose(False),)
 
 
@@ -130,6 +143,17 @@ class PoolError(RuntimeError):
 
 class PoolStartError(PoolError):
     """The pool could not start; everything it had started has been stopped again."""
+
+
+class RecoveryError(Advised, PoolError):
+    """A recovery could not bring the ranks back; the message says which phase failed and
+    why, and what state the pool is left in (a fresh group, or as it was), then what to do
+    (``steps``) in API calls or, in :meth:`notebook_message`, magics."""
+
+    def __init__(self, message: str, *steps: Step):
+        self._head = message
+        self.advice = steps
+        super().__init__(self._compose(False))
 
 
 class PoolBusy(Advised, PoolError):
@@ -257,7 +281,8 @@ class RankDied(Advised, RuntimeError):
     died in; ``reports`` to what it wrote during that call (its output and those log
     lines, or that it wrote nothing), which the message shows; ``lost_hosts`` lists hosts
     all of whose ranks vanished at once with no exit status (the host or the network to
-    it is gone).
+    it is gone); ``between_calls`` is True when the ranks died while no call ran on them
+    (the call that raises this never ran).
     """
 
     def __init__(
@@ -269,12 +294,15 @@ class RankDied(Advised, RuntimeError):
         pids: dict[int, int] | None = None,
         lost_hosts: list[str] | None = None,
         reports: dict[int, str] | None = None,
+        between_calls: bool = False,
     ):
         self.ranks = sorted(ranks)
         self.exit_codes = exit_codes
         self.log_tails = log_tails
         self.reports = dict(reports or {})
         self.lost_hosts = list(lost_hosts or [])
+        self.between_calls = between_calls
+        when = " while no call ran on it" if between_calls else ""
         lines = [
             f"host {host} lost: every rank on it vanished without an exit status "
             "(the host, or the network to it, is gone)"
@@ -284,7 +312,9 @@ class RankDied(Advised, RuntimeError):
             where = ""
             if pids and rank in pids:
                 where = f" (pid {pids[rank]}" + (f" on {hosts[rank]}" if hosts else "") + ")"
-            lines.append(f"rank {rank}{where} died: {describe_exit(exit_codes.get(rank))}")
+            lines.append(f"rank {rank}{where} died{when}: {describe_exit(exit_codes.get(rank))}")
+        #: The deaths in one line ("rank 1 (pid 4242 on node7) died: killed by signal SIGKILL").
+        self.summary = "; ".join(lines)
         lines.append("The process group was torn down.")
         self._head = "\n".join(lines)
         self.advice = (RECOVER, RESTART)

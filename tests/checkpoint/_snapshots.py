@@ -42,13 +42,18 @@ RESTORE = (
 
 ROOT_ENV = "FSDPI_SNAPSHOT_ROOT"
 HOST_ENV = "FSDPI_SNAPSHOT_HOST"
+KEY_ENV = "FSDPI_SNAPSHOT_KEY"
+#: The snapshot key every rank of these tests holds, as a pool gives one key to all its
+#: ranks (the simulated hosts' roots would otherwise each make their own).
+TEST_KEY = "5e" * 32
 WRAPPED = "_fsdp_wrapped_module."
 
 
 def place(root: str, host: str | None = None) -> None:
     """Put this rank's snapshots under ``root``, on the simulated host ``host`` (``None``:
-    the machine's host name)."""
+    the machine's host name), sealed with :data:`TEST_KEY`."""
     os.environ[ROOT_ENV] = str(root)
+    os.environ[KEY_ENV] = TEST_KEY
     if host is None:
         os.environ.pop(HOST_ENV, None)
     else:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.checkpoint._snapshots import HOST_ENV, ROOT_ENV
+from tests.checkpoint._snapshots import HOST_ENV, KEY_ENV, ROOT_ENV
 from tests.multirank import RankGroup
 
 
@@ -17,7 +17,7 @@ def _snapshot_placement_restored() -> Iterator[None]:
     """Tests that list a simulated host's snapshots in this process set its placement
     variables here; they are put back afterwards, so that later tests, and the processes
     they start (engine forkers), do not inherit a test's snapshot folder."""
-    saved = {name: os.environ.get(name) for name in (ROOT_ENV, HOST_ENV)}
+    saved = {name: os.environ.get(name) for name in (ROOT_ENV, HOST_ENV, KEY_ENV)}
     yield
     for name, value in saved.items():
         if value is None:

@@ -1,6 +1,7 @@
-"""Background snapshots (the blocking part is the staging, measured and returned; later
-changes of the state do not reach what is written; a second snapshot waits for the one in
-flight; a failure surfaces on the handle), ``persist_snapshot`` to a disk checkpoint that
+"""Background snapshots (the blocking part writes the state into host memory, measured and
+returned; later changes of the state do not reach what is written; a second snapshot
+waits for the one in flight; a failure of the write raises at once, one of the
+publishing on the handle), ``persist_snapshot`` to a disk checkpoint that
 ``checkpoint.load`` reads exactly, and ``drop_snapshots``."""
 
 from __future__ import annotations
@@ -23,34 +24,53 @@ BACKGROUND = (
 
 
 class _HeldWrites:
-    """DCP's writes, logged; the first one held until :meth:`release`."""
+    """What snapshots and checkpoint saves do after their call returns, logged by folder:
+    a snapshot's publishing (copies, descriptions, rename), a save's DCP write. The first
+    one is held until :meth:`release`."""
 
     def __init__(self) -> None:
         import torch.distributed.checkpoint.filesystem as fs
 
-        self.cls, self.original = fs._FileSystemWriter, fs._FileSystemWriter.write_data
+        from fsdp_interactive.checkpoint._snapshot import _publish
+
+        self.originals = [
+            (fs._FileSystemWriter, "write_data", fs._FileSystemWriter.write_data),
+            (_publish, "finish", _publish.finish),
+        ]
         self.log: list[str] = []
         self.gate = threading.Event()
         held = self
+        write_original, finish_original = (o[2] for o in self.originals)
 
-        def write_data(writer, plan, planner):
-            name = Path(writer.path).name
+        def hold(name: str) -> None:
             held.log.append(f"start {name}")
             if len(held.log) == 1:
                 held.gate.wait(timeout=60)
-            future = held.original(writer, plan, planner)
+
+        def write_data(writer, plan, planner):
+            hold(Path(writer.path).name)
+            future = write_original(writer, plan, planner)
             future.wait()
-            held.log.append(f"end {name}")
+            held.log.append(f"end {Path(writer.path).name}")
             return future
 
-        self.cls.write_data = write_data
+        def finish(plan, *args, **kwargs):
+            hold(plan.partial.name)
+            try:
+                return finish_original(plan, *args, **kwargs)
+            finally:
+                held.log.append(f"end {plan.partial.name}")
+
+        fs._FileSystemWriter.write_data = write_data
+        _publish.finish = finish
 
     def release(self) -> None:
         self.gate.set()
 
     def restore(self) -> None:
         self.gate.set()
-        self.cls.write_data = self.original
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
 
 
 def _background_then_change(root: str) -> dict:
@@ -93,7 +113,7 @@ def test_background_snapshot_keeps_the_state_of_the_call(ranks2, tmp_path):
     results = ranks2.run(_background_then_change, str(tmp_path))
     first, second = results[0]["first"], results[0]["second"]
     for rank, r in enumerate(results):
-        assert r["still_running"], rank  # the write was held while the state changed
+        assert r["still_running"], rank  # publishing was held while the state changed
         assert {n.split(":")[0] for n in r["changed"]} >= {"param", "optim", "counter", "rng"}
         assert r["restored"] == [], (rank, r["restored"])
         assert r["handle_id"] == first.id and r["first"] == first and r["second"] == second
@@ -110,19 +130,32 @@ def test_background_snapshot_keeps_the_state_of_the_call(ranks2, tmp_path):
     assert first.step == 3 and second.step == 5
 
 
-def _background_failure(root: str) -> dict:
-    import torch.distributed.checkpoint.filesystem as fs
+def _background_failures(root: str) -> dict:
+    from fsdp_interactive.checkpoint._raw_storage import RawWriter
+    from fsdp_interactive.checkpoint._snapshot import _store
 
     s.place(root)
     ns = s.cell_namespace(seed=0)
     previous = s.run_cell(ns, s.SNAPSHOT)
-    original = fs._FileSystemWriter.write_data
+    write, describe = RawWriter.write_data, _store.write_descriptions
+
+    def broken(*args):
+        raise OSError("device error while writing")
+
+    # The write (the blocking part) fails on rank 1: the call itself raises, on every rank.
     if dist.get_rank() == 1:
-
-        def broken(self, plan, planner):
-            raise OSError("device error while writing")
-
-        fs._FileSystemWriter.write_data = broken
+        RawWriter.write_data = broken
+    try:
+        s.run_cell(ns, BACKGROUND)
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    else:
+        raised = None
+    finally:
+        RawWriter.write_data = write
+    # The publishing (in the background) fails on rank 0, the host's leader: on the handle.
+    if dist.get_rank() == 0:
+        _store.write_descriptions = broken
     try:
         handle = s.run_cell(ns, BACKGROUND)
         try:
@@ -132,8 +165,9 @@ def _background_failure(root: str) -> dict:
         else:
             error = None
     finally:
-        fs._FileSystemWriter.write_data = original
+        _store.write_descriptions = describe
     return {
+        "raised": raised,
         "error": error,
         "exception": type(handle.exception()).__name__,
         "listed": [r.id for r in ck.list_snapshots()],
@@ -142,13 +176,16 @@ def _background_failure(root: str) -> dict:
     }
 
 
-def test_a_failed_background_snapshot_raises_on_its_handle(ranks2, tmp_path):
-    results = ranks2.run(_background_failure, str(tmp_path))
+def test_a_failed_background_snapshot_raises_at_once_or_on_its_handle(ranks2, tmp_path):
+    results = ranks2.run(_background_failures, str(tmp_path))
     for r in results:
-        assert r["error"] is not None and "device error while writing" in r["error"]
-        assert r["exception"] == "CheckpointError"
+        assert r["raised"] is not None and r["raised"].startswith("CheckpointError")
+        assert "device error while writing" in r["raised"]
+        assert r["error"] is not None and r["error"].startswith("SnapshotError")
+        assert "describing the snapshot" in r["error"] and "device error" in r["error"]
+        assert r["exception"] == "SnapshotError"
         assert r["listed"] == [r["previous"]]
-    # The host's leader (rank 0) removed the unfinished folder before its handle reported.
+    # The host's leader (rank 0) removed the unfinished folders before it reported.
     assert results[0]["left"] == [results[0]["previous"]]
 
 
@@ -249,8 +286,8 @@ def _snapshot_and_async_save(root: str, disk: str, snapshot_first: bool) -> list
 
 
 def test_a_background_snapshot_and_an_async_save_take_turns(ranks2, tmp_path):
-    """Both stage through buffers a process may keep for its async writes: neither starts
-    staging while the other is still writing from them."""
+    """One write of the training state at a time per process: neither starts while the
+    other still writes in the background."""
     for snapshot_first in (True, False):
         disk = tmp_path / f"disk-{snapshot_first}"
         log = ranks2.run(_snapshot_and_async_save, str(tmp_path / "shm"), str(disk), snapshot_first)

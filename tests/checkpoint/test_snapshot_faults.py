@@ -26,9 +26,7 @@ HOSTS = ["host-a", "host-b"]
 def _fault(point: str, kill: bool) -> Iterator[None]:
     """Make rank 1 fail at ``point`` of the snapshot taken inside: raise there, or SIGKILL
     itself. The real functions are put back afterwards."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    from fsdp_interactive.checkpoint import _layout, _manifest
+    from fsdp_interactive.checkpoint import _layout, _manifest, _raw_storage
     from fsdp_interactive.checkpoint._snapshot import _store, _transfer
 
     def fail(error: Exception) -> None:
@@ -49,10 +47,10 @@ def _fault(point: str, kill: bool) -> Iterator[None]:
         original[0](self, buffer)
 
     where, name, replacement = {
-        # DCP's write of this rank's shards
-        "write": (fs._FileSystemWriter, "write_data", write_data),
-        # reading back its files for their checksums
-        "hash": (_manifest, "hash_file", lambda path: fail(OSError(f"cannot read {path}"))),
+        # the write of this rank's shards
+        "write": (_raw_storage.RawWriter, "write_data", write_data),
+        # DCP's metadata, written by rank 0 (the fault is on rank 1: its checksum record)
+        "checksum": (_manifest, "new_checksum", lambda name: fail(OSError("checksum failed"))),
         # receiving the other host's files
         "ring": (_transfer._Incoming, "write", receive),
         # writing manifest.json and snapshot.json
@@ -96,7 +94,7 @@ def _state_at_the_interrupted_snapshot() -> dict:
 def _listed_and_dot_folders(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     out = {}
     for host in HOSTS:
-        os.environ[s.ROOT_ENV], os.environ[s.HOST_ENV] = str(root / host), host
+        s.place(str(root / host), host)
         listed = [r.id for r in ck.list_snapshots()]
         dots = sorted(p.name for p in (root / host).iterdir() if p.name.startswith("."))
         out[host] = (listed, dots)
@@ -111,7 +109,7 @@ def _restore_previous_exactly(ranks2, root: Path, saved: list) -> None:
         assert s.differences(saved[rank][0], got["state"]) == [], rank
 
 
-RAISED = ["write", "hash", "ring", "describe", "publish"]
+RAISED = ["write", "checksum", "ring", "describe", "publish"]
 
 
 @pytest.mark.parametrize("point", RAISED)

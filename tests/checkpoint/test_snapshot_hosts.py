@@ -14,7 +14,7 @@ import pytest
 from fsdp_interactive import checkpoint as ck
 from tests.checkpoint import _snapshots as s
 
-DESCRIPTIONS = {".metadata", "manifest.json", "snapshot.json"}
+DESCRIPTIONS = {".metadata", "manifest.json", "snapshot.json", "seal.json"}
 
 
 def _published(base: Path, host: str, snapshot_id: str) -> set[str]:

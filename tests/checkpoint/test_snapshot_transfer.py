@@ -4,12 +4,12 @@ sender's copy is damaged (reported, not renamed into place), both directions at 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch.distributed as dist
 
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint._manifest import CRC32, FileRecord, checksum_of
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
 
 
@@ -25,15 +25,13 @@ def _exchange(base: str) -> dict:
     }
     for name, data in contents.items():
         (source / f"{name}-{rank}").write_bytes(data)
-    damaged_digest = hashlib.sha256(b"what it should have been").hexdigest()
+    damaged = FileRecord(999, checksum_of(b"what it should have been", CRC32), CRC32)
     transfers = []
     for sender in (0, 1):
         for name, data in contents.items():
-            transfers.append(
-                Transfer(f"{name}-{sender}", len(data), hashlib.sha256(data).hexdigest(),
-                         sender, 1 - sender)
-            )  # fmt: skip
-    transfers.append(Transfer("small-0", 999, damaged_digest, 0, 1))  # received as "small-0" again
+            record = FileRecord(len(data), checksum_of(data, CRC32), CRC32)
+            transfers.append(Transfer(f"{name}-{sender}", record, sender, 1 - sender))
+    transfers.append(Transfer("small-0", damaged, 0, 1))  # received as "small-0" again
     result = exchange(transfers, Ranks(), source=source, target=target, chunk_bytes=1000)
     return {
         "files": {p.name: p.read_bytes() for p in sorted(target.iterdir())},

@@ -40,6 +40,10 @@ def test_mpi_pool_spans_both_hosts_and_stops_every_rank(testhosts, mpi_env, tmp_
             "t = torch.tensor([float(rank + 1)]); dist.all_reduce(t); t.item()", stream=False
         ).results
         assert results == {r: "10.0" for r in range(4)}
+        # No engine forker runs here: each rank made its host's snapshot root private as
+        # it joined (mode 0700, this user's), where a forker makes it at pool start.
+        roots = pool.run(ROOT_MODE, stream=False).results
+        assert roots == {r: repr(("0o700", True)) for r in range(4)}
         check_checkpoints_need_a_directory_every_host_sees(
             pool, testhosts, tmp_path_factory.mktemp("mpi-checkpoints")
         )
@@ -48,6 +52,10 @@ def test_mpi_pool_spans_both_hosts_and_stops_every_rank(testhosts, mpi_env, tmp_
     assert left_on_hosts(testhosts) == {}
 
 
+ROOT_MODE = (
+    "import os, stat; info = os.lstat(os.environ['FSDPI_SNAPSHOT_ROOT'])\n"
+    "oct(stat.S_IMODE(info.st_mode)), info.st_uid == os.geteuid()"
+)
 SAVE = """
 from fsdp_interactive.checkpoint import save, load
 from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP

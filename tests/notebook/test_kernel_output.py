@@ -6,6 +6,7 @@ and a notebook executed with nbclient stores each bar once, in its final state."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -58,14 +59,16 @@ class Kernel:
                 on_message(message)
 
 
-@pytest.fixture(scope="module")
-def kernel() -> Iterator[Kernel]:
+@contextlib.contextmanager
+def pool_kernel(start: str = "-n 2 --backend gloo") -> Iterator[Kernel]:
+    """A started kernel with the extension loaded and ``%fsdp start START`` run; the pool
+    is stopped and the kernel shut down at the end."""
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=_kernel_env())
     kernel = Kernel(client)
     try:
         errors = [
             m
-            for m in kernel.run("%load_ext fsdp_interactive\n%fsdp start -n 2 --backend gloo")
+            for m in kernel.run(f"%load_ext fsdp_interactive\n%fsdp start {start}")
             if m["msg_type"] == "error"
         ]
         assert not errors, errors
@@ -76,6 +79,12 @@ def kernel() -> Iterator[Kernel]:
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    with pool_kernel() as started:
+        yield started
 
 
 def _text_displays(messages: list[dict[str, Any]]) -> dict[str, list[str]]:

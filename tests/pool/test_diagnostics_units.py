@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fsdp_interactive.pool.common._collectives import (
     CollectiveRecord,
     CollectiveTrace,
@@ -159,7 +161,10 @@ def test_interrupt_report_says_per_rank_what_happened():
         "rank 2: was idle (nothing to stop)",
     ]
     assert "%fsdp restart" in lines[3] and report.needs_restart
-    assert "pool.restart()" in str(report)
+    assert "pool.restart()" in str(report) and "pool.recover()" in str(report)
+    # Without a snapshot to go back to, only the restart is named.
+    alone = dataclasses.replace(report, snapshot_taken=False).lines(notebook=True)[3]
+    assert "%fsdp restart" in alone and "%fsdp recover" not in alone
 
 
 def test_rooted_collectives_with_per_rank_sizes_are_not_a_mismatch():

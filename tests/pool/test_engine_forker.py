@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from fsdp_interactive.pool.processes._forked_launcher import (
     ForkerError,
     forker_command,
 )
+from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
 
 CHILD = [sys.executable, "-m", "tests.pool.forker_child"]
 
@@ -210,19 +212,70 @@ def test_signal_requests_reach_only_the_forkers_own_children(forker, tmp_path):
         bystander.wait(30)
 
 
-def _forker_with_root(tmp_path: Path) -> tuple[EngineForker, Path]:
+def _forker_with_root(tmp_path: Path, *, adopt: bool = False) -> tuple[EngineForker, Path]:
     root = tmp_path / "fsdpi-test-root"
     forker = EngineForker(
         str(tmp_path / "forker.log"),
         dict(os.environ),
-        command=forker_command(snapshot_root=str(root)),
+        command=forker_command(),
+        setup=ForkerSetup(str(root), adopt=adopt),
     )
     return forker, root
 
 
 def _snapshot_in(root: Path) -> None:
-    (root / "s000001").mkdir(parents=True)
+    """A snapshot in the root, once the forker made it (first thing it does)."""
+    end = time.monotonic() + 60
+    while not root.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    (root / "s000001").mkdir()
     (root / "s000001" / "manifest.json").write_text("{}")
+
+
+def test_the_forker_makes_the_root_private_and_it_is_on_no_command_line(tmp_path):
+    forker, root = _forker_with_root(tmp_path)
+    try:
+        assert forker.ready.wait(120)
+        assert forker.root_made == "created" and forker.root_refused is None
+        info = root.lstat()
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
+        assert info.st_uid == os.geteuid()
+        assert str(root) not in " ".join(psutil.Process(forker.pid).cmdline())
+    finally:
+        forker.close()
+    assert not root.exists()
+
+
+def test_a_forker_refuses_a_root_that_exists_and_forks_nothing(tmp_path):
+    root = tmp_path / "fsdpi-test-root"
+    root.mkdir()
+    (root / "planted").write_text("not ours to remove")
+    forker, _ = _forker_with_root(tmp_path)
+    try:
+        assert forker.ready.wait(120)
+        assert forker.root_made is None and "exists already" in forker.root_refused
+        with pytest.raises(ForkerError, match="refusing the pool's snapshot root"):
+            Child(forker, ["sleep"], tmp_path / "child.log", tmp_path)
+    finally:
+        forker.close()
+    assert (root / "planted").read_text() == "not ours to remove"  # refused: never removed
+
+
+def test_a_replacing_forker_adopts_the_private_root_of_the_one_before(tmp_path):
+    first, root = _forker_with_root(tmp_path)
+    try:
+        _snapshot_in(root)
+        os.kill(first.pid, signal.SIGKILL)  # gone without removing its root
+        first._proc.wait(30)
+    finally:
+        first.close()
+    second, _ = _forker_with_root(tmp_path, adopt=True)
+    try:
+        assert second.ready.wait(120) and second.root_made == "adopted"
+        assert (root / "s000001" / "manifest.json").exists()
+    finally:
+        second.close()
+    assert not root.exists()
 
 
 def test_closing_the_forker_ends_its_children_and_removes_the_snapshot_root(tmp_path):

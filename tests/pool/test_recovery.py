@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def test_recover_without_a_snapshot_refuses_and_leaves_the_pool_as_it_was(fresh)
     pool, _ = fresh
     pids = [r.pid for r in pool.topology]
     pool._snapshot_book.clear()
-    with pytest.raises(RecoveryError, match="no snapshot to recover to: take one"):
+    with pytest.raises(RecoveryError, match="no snapshot to recover to; nothing was changed"):
         pool.recover()
     with pytest.raises(RecoveryError, match="no snapshot 's999999'"):
         pool.recover("s999999")
@@ -40,6 +41,78 @@ def test_recover_without_a_snapshot_refuses_and_leaves_the_pool_as_it_was(fresh)
         pool.recover(world=0)
     assert pool.running and [r.pid for r in pool.topology] == pids
     assert pool.run("'model' in globals()", stream=False).results == {0: "True", 1: "True"}
+
+
+OTHER_MODEL_SNAPSHOT = """
+import fsdp_interactive
+from fsdp_interactive.checkpoint import persist_snapshot, save
+save(PLAIN, model, optim)
+kept, model = model, FSDP(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)))
+persist_snapshot(fsdp_interactive.snapshot(model=model).id, OTHER)
+model = kept
+ghost = FSDP(torch.nn.Linear(4, 4))
+persist_snapshot(fsdp_interactive.snapshot(model=ghost).id, OTHER + "-ghost")
+del kept, ghost
+"""
+
+
+@pytest.mark.timing
+def test_bad_recover_input_is_refused_before_anything_ends(fresh, tmp_path, capsys):
+    """Every refusal leaves the pool exactly as it was: the same rank processes, every
+    variable still there; the dry run refuses the same input. After a death, what only
+    live ranks can check is refused by the recovery itself."""
+    pool, _ = fresh
+    plain, other = tmp_path / "plain", tmp_path / "other"
+    pool.run(
+        f"PLAIN, OTHER = {str(plain)!r}, {str(other)!r}\n" + OTHER_MODEL_SNAPSHOT, journal=False
+    )
+    pool.run("marker = 42", cell=4, stream=False)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(other, damaged)
+    (damaged / "snapshot.json").write_text("{ not json")
+    (tmp_path / "empty").mkdir()
+    held = pool.snapshots()[-1].id
+    rotated = "s" + "9" * 6
+    pool._snapshot_book.add([{"id": rotated, "step": 1}])  # known, but on no host
+    pids = [r.pid for r in pool.topology]
+    refusals = {
+        str(tmp_path / "empty"): r"is not a checkpoint folder \(it holds no manifest.json\)",
+        str(tmp_path / "missing"): "no checkpoint folder",
+        str(plain): "is a checkpoint saved by checkpoint.save, not a snapshot",
+        str(damaged): "snapshot record .* is damaged",
+        str(other): "was taken of another model: the model has .* keys it lacks",
+        rotated: f"snapshot {rotated} is not held by any host of the group",
+    }
+    for source, reason in refusals.items():
+        for dry_run in (True, False):
+            with pytest.raises(RecoveryError, match=reason) as refused:
+                pool.recover(source, dry_run=dry_run)
+            assert "nothing was changed" in str(refused.value)
+            assert "strict=False" not in str(refused.value)
+            assert pool.running and [r.pid for r in pool.topology] == pids, source
+    assert pool.run("marker", stream=False, journal=False).results == {0: "42", 1: "42"}
+    # A snapshot whose record in host memory is damaged is not listed by any host.
+    record = Path(pool.snapshot_root) / held / "snapshot.json"
+    record.write_text("{ not json")
+    with pytest.raises(RecoveryError, match="the hosts of the group hold no snapshot"):
+        pool.recover(dry_run=True)
+    with pytest.raises(RecoveryError, match=f"snapshot {held} is not held by any host"):
+        pool.recover(held)
+    assert pool.run("marker", stream=False, journal=False).results == {0: "42", 1: "42"}
+    assert "trying" not in capsys.readouterr().out
+    # With the ranks dead nothing live can be compared: the restore refuses it, in a
+    # recovery's words, without a partial load it cannot offer or an older try.
+    with pytest.raises(RankDied):
+        pool.run(KILL_RANK_1, stream=False)
+    with pytest.raises(RecoveryError, match="no snapshot could be restored") as refused:
+        pool.recover(str(other))
+    message = str(refused.value) + capsys.readouterr().out
+    assert "was taken of another model" in message and "strict=False" not in message
+    assert "trying" not in message and pool.running
+    # A snapshot of a variable no replayed cell defines: named, without advice it cannot take.
+    with pytest.raises(RecoveryError, match="'ghost', which is not defined now") as refused:
+        pool.recover(f"{other}-ghost")
+    assert "objects=" not in str(refused.value)
 
 
 @pytest.mark.timing
@@ -100,7 +173,7 @@ def test_recover_at_any_time_goes_back_and_can_reshard_to_one_rank(fresh):
         pool.restart()
 
 
-def test_a_corrupt_snapshot_is_refused_and_the_one_before_is_used(fresh):
+def test_a_corrupt_snapshot_is_refused_and_the_one_before_is_used(fresh, capsys):
     pool, truth = fresh
     pool.run("train(0, 4, every=2)", cell=3, stream=False, replay=False)
     pool.run("fsdp_interactive.snapshot(model=model, optimizer=optim, step=40, keep_last=2)")
@@ -111,9 +184,11 @@ def test_a_corrupt_snapshot_is_refused_and_the_one_before_is_used(fresh):
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
+    capsys.readouterr()
     report = pool.recover()
     assert report.refused and newest.id in report.refused[0]
     assert report.snapshot.step == 4
+    assert f"trying the older snapshot {report.snapshot.id}" in capsys.readouterr().out
     assert fingerprints(pool) == taken_at(truth, 4, 2)
 
 

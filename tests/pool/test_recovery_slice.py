@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_interactive.pool import Pool, RankDied, RankError
-from fsdp_interactive.pool._recovery import RecoveryError
+from fsdp_interactive.pool.errors import RecoveryError
 from tests.pool.recovery_cells import helpers
 
 KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"

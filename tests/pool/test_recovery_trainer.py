@@ -18,7 +18,7 @@ import os
 import pytest
 
 from fsdp_interactive.pool import Pool, RankDied
-from fsdp_interactive.pool._recovery import RecoveryError
+from fsdp_interactive.pool.errors import RecoveryError
 
 REQUIRE_ENV = "FSDPI_REQUIRE_HF"
 

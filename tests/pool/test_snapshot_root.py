@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool, RankDied
-from fsdp_interactive.pool.common._snapshot_root import ENV_VAR, remove_root
+from fsdp_interactive.pool.common._snapshot_root import ENV_VAR, create_root, remove_root
 from fsdp_interactive.pool.processes._pids import end_processes, still_running
 from tests.pool.conftest import record, wait_gone
 
@@ -34,14 +34,24 @@ def _forkers(pool: Pool) -> set[int]:
     return {psutil.Process(r.pid).ppid() for r in pool.topology}
 
 
-def test_remove_root_removes_only_a_pools_snapshot_root(tmp_path):
+def test_remove_root_removes_only_a_pools_private_snapshot_root(tmp_path):
     root = tmp_path / "fsdpi-0123456789ab"
-    (root / "s000001").mkdir(parents=True)
+    assert create_root(str(root)) == "created"
+    (root / "s000001").mkdir()
     assert remove_root(str(root)) is True and not root.exists()
     assert remove_root(str(root)) is False  # gone already
     with pytest.raises(ValueError, match="not a pool's snapshot root"):
         remove_root(str(tmp_path))
     assert tmp_path.exists()
+    # A folder at the path that is not a private folder of this user is left alone.
+    shared = tmp_path / "fsdpi-shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    assert remove_root(str(shared)) is False and shared.exists()
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "fsdpi-link").symlink_to(target)
+    assert remove_root(str(tmp_path / "fsdpi-link")) is False and target.exists()
 
 
 def test_ranks_share_the_pools_root_which_restart_keeps_and_stop_removes(profile_dir):
@@ -141,7 +151,8 @@ def test_a_killed_kernel_leaves_no_snapshot_root(profile_dir):
 def test_the_reaper_removes_the_root_when_the_owner_dies(tmp_path):
     """Also when the forker was SIGKILLed and could not remove the root itself."""
     root = tmp_path / "fsdpi-reaper-test"
-    (root / "s000001").mkdir(parents=True)
+    create_root(str(root))
+    (root / "s000001").mkdir()
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     victim = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
@@ -155,10 +166,10 @@ def test_the_reaper_removes_the_root_when_the_owner_dies(tmp_path):
         str(owner.pid),
         repr(psutil.Process(owner.pid).create_time()),
         str(pid_file),
-        "--remove",
-        str(root),
     ]
-    reaper = subprocess.Popen(command, start_new_session=True)
+    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+    reaper.stdin.write(json.dumps({"remove": [str(root)]}).encode())  # never on its command line
+    reaper.stdin.close()
     try:
         time.sleep(1.5)  # it watches: nothing happens while the owner lives
         assert root.exists() and victim.poll() is None

@@ -47,15 +47,15 @@ def test_hosts_are_taken_in_order_with_their_own_settings_up_to_n():
     assert {h.profile_dir for h in plan} == {"/remote/profile"}
 
 
-def test_one_ssh_command_runs_the_hosts_forker_with_the_snapshot_root():
+def test_one_ssh_command_runs_the_hosts_forker_without_a_private_path():
     (host,) = plan_hosts(launcher(engines={"me@hostb:2222": 1}, ssh_args=["-F", "/cfg"]), 1)
-    command = host.forker_command("/dev/shm/fsdpi-0123456789ab")
+    command = host.forker_command()
     assert command[:3] == ["ssh", "-F", "/cfg"]
     assert command[3:5] == ["-p", "2222"] and "-T" in command
     assert "BatchMode=yes" in command and command[-3:-1] == ["me@hostb", "--"]
     remote = shlex.split(command[-1])
-    assert remote[:4] == ["exec", "python3", "-m", "fsdp_interactive.pool.processes._engine_forker"]
-    assert remote[4:] == ["--snapshot-root", "/dev/shm/fsdpi-0123456789ab"]
+    # The snapshot root goes over the channel (the forker's setup line), never on a command line.
+    assert remote == ["exec", "python3", "-m", "fsdp_interactive.pool.processes._engine_forker"]
     assert host.file_name == "me_hostb_2222"
 
 

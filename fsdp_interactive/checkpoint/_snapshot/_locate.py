@@ -3,27 +3,33 @@ of it (checked) before a restore.
 
 A restore may run on other ranks than the snapshot's: after a host was lost (its ranks
 gone, its folder with them), at another world size, or with ranks placed on other hosts.
-Each host's folder holds what that host kept; :func:`complete` checks every copy against
-the manifest's SHA-256 (each host's files split across that host's ranks), treats a
-damaged copy as absent, and sends every host the files it lacks from a host with a good
-copy (:mod:`._transfer`), so that afterwards ``checkpoint.load`` reads the snapshot on
-every host from its own folder.
+Each host's folder holds what that host kept. Only snapshots whose seal holds under the
+pool's key are found (:mod:`._seal`: a folder this pool did not write, or one altered
+since, is passed over, and named when asked for); every rank checks the seal of the
+description it uses with its own key, also one another host sent. :func:`complete`
+checks every copy against that manifest's checksums (each host's files split across that
+host's ranks), treats a damaged copy as absent, and sends every host the files it lacks
+from a host with a good copy (:mod:`._transfer`, checked on arrival against the same
+manifest), so that afterwards ``checkpoint.load`` reads the snapshot on every host from
+its own folder.
 """
 
 from __future__ import annotations
 
 import logging
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout, _manifest
-from fsdp_interactive.checkpoint._snapshot import _store
+from fsdp_interactive.checkpoint._snapshot import _seal, _store
 from fsdp_interactive.checkpoint._snapshot._place import (
     ROOT_ENV,
     Hosts,
     host_name,
+    private_root,
     rank_of_file,
     root_folder,
 )
@@ -43,18 +49,20 @@ class Located:
     """Where the snapshot ``id`` is, as this rank (``rank``) of the current group sees it.
 
     ``present[r]``: the files (name -> size) of rank ``r``'s host's folder of the snapshot
-    (``None`` when that host has no published folder of it).
+    (``None`` when that host has no published folder of it); ``described[r]``: whether
+    that folder's description passed its seal (the others are rewritten by
+    :func:`complete`).
     """
 
     id: str
     rank: int
     record: SnapshotRecord
     manifest: _manifest.Manifest
-    manifest_json: str
-    record_json: str
+    texts: _store.Texts
     hosts: Hosts
     roots: list[str]
     present: list[dict[str, int] | None]
+    described: list[bool]
 
     @property
     def folder(self) -> Path:
@@ -77,26 +85,26 @@ def _check_id(snapshot_id: object) -> None:
         )
 
 
-def _read_texts(folder: Path) -> tuple[str, str] | None:
+def _read_texts(folder: Path) -> _store.Texts | None:
     try:
-        return (
-            (folder / _manifest.MANIFEST_FILE).read_text(encoding="utf-8"),
-            (folder / _store.RECORD_FILE).read_text(encoding="utf-8"),
-        )
-    except OSError:
+        return _store.read_texts(folder)
+    except CheckpointError:
         return None
 
 
 def _present(folder: Path) -> dict[str, int] | None:
-    if not folder.is_dir():
+    """The regular files of ``folder`` by size (``None``: no such folder)."""
+    if not folder.is_dir() or folder.is_symlink():
         return None
     found = {}
     for child in folder.iterdir():
         if not child.name.startswith(".") or child.name == ".metadata":
             try:
-                found[child.name] = child.stat().st_size
+                info = child.lstat()
             except OSError:
                 continue
+            if stat.S_ISREG(info.st_mode):
+                found[child.name] = info.st_size
     return found
 
 
@@ -105,8 +113,17 @@ def locate(snapshot_id: object, ranks: Ranks) -> Located:
     collective. ``ValueError`` for what is not a snapshot id, :class:`SnapshotError` when
     no host holds it."""
     _check_id(snapshot_id)
-    root = root_folder()
-    first = ranks.all_gather((host_name(), str(root), _store.published_ids(root)))
+    root, key, problem = root_folder(), None, None
+    try:
+        if private_root(create=False) is not None:
+            key = _seal.snapshot_key(root, create=False)
+    except SnapshotError as exc:
+        problem = str(exc)
+    ids = _store.sealed_ids(root, key) if key else []
+    first = ranks.all_gather((host_name(), str(root), ids, problem))
+    refused = [f[3] for f in first if f[3] is not None]
+    if refused:
+        raise SnapshotError("; ".join(dict.fromkeys(refused)))
     hosts = Hosts(tuple(f[0] for f in first))
     roots = [f[1] for f in first]
     mixed = hosts.mixed_roots(roots)
@@ -127,26 +144,47 @@ def locate(snapshot_id: object, ranks: Ranks) -> Located:
     folder = root / snapshot_id
     second = ranks.all_gather((_present(folder), _read_texts(folder)))
     present = [s[0] for s in second]
-    texts = [(r, s[1]) for r, s in enumerate(second) if s[1] is not None]
+    texts = {r: s[1] for r, s in enumerate(second) if s[1] is not None}
     if not texts:
         raise SnapshotError(
             f"snapshot {snapshot_id} is on no host of this group (snapshots there: {listed}); "
             "restore one of those, or a disk checkpoint with checkpoint.load"
         )
-    problems = []
-    for rank, (manifest_json, record_json) in texts:
-        source = Path(roots[rank]) / snapshot_id
-        try:
-            manifest = _manifest.Manifest.from_json(manifest_json, source / _manifest.MANIFEST_FILE)
-            record = SnapshotRecord.from_json(record_json, source / _store.RECORD_FILE)
-        except CheckpointError as exc:
-            problems.append(str(exc))
-            continue
+    # Every rank checks, with its own key, every host's texts (also another host's); a
+    # host's texts count only when every rank found them authentic, so that every rank
+    # takes the same; the first that count are used, the others are written again.
+    checked = {r: _unseal(Path(roots[r]) / snapshot_id, found, key) for r, found in texts.items()}
+    verdicts = ranks.all_gather({r: isinstance(c, tuple) for r, c in checked.items()})
+    described = [all(v.get(r, False) for v in verdicts) for r in range(len(second))]
+    good = next((r for r in sorted(texts) if described[r]), None)
+    if good is not None:
+        manifest, record = checked[good]
         return Located(
-            snapshot_id, ranks.rank, record, manifest, manifest_json, record_json,
-            hosts, roots, present,
-        )  # fmt: skip
-    raise CorruptCheckpointError(f"snapshot {snapshot_id}: " + "; ".join(problems))
+            snapshot_id, ranks.rank, record, manifest, texts[good], hosts, roots, present, described
+        )
+    problems = [c for c in checked.values() if isinstance(c, CheckpointError)]
+    refusals = ranks.all_gather([(str(p), getattr(p, "file", None)) for p in problems])[0]
+    raise CorruptCheckpointError(
+        f"snapshot {snapshot_id}: " + "; ".join(text for text, _ in refusals),
+        file=refusals[0][1] if refusals else None,
+    )
+
+
+def _unseal(
+    folder: Path, texts: _store.Texts, key: bytes | None
+) -> tuple[_manifest.Manifest, SnapshotRecord] | CheckpointError:
+    """The manifest and record of ``texts`` if their seal holds under ``key``, else the
+    refusal (a rank without a key refuses every one)."""
+    if key is None:
+        return SnapshotError(
+            f"{folder}: this host keeps no snapshot key to check it with; set "
+            f"${_seal.KEY_ENV} to the key that sealed it"
+        )
+    try:
+        return _store.unseal(folder, texts, key)
+    except CheckpointError as exc:
+        logger.warning("%s", exc)
+        return exc
 
 
 @dataclass
@@ -228,9 +266,8 @@ def complete(located: Located, ranks: Ranks) -> Completed:
                 lost.append(name)
                 continue
             senders = hosts.ranks_on(sources[index % len(sources)])
-            record = located.manifest.files[name]
             transfers.append(
-                Transfer(name, record.size, record.sha256, senders[index % len(senders)],
+                Transfer(name, located.manifest.files[name], senders[index % len(senders)],
                          targets[index % len(targets)])
             )  # fmt: skip
             if name in (located.present[hosts.leader(host)] or {}):
@@ -244,16 +281,17 @@ def complete(located: Located, ranks: Ranks) -> Completed:
     problem = None
     if fresh and hosts.is_leader(located.rank):
         try:
-            target.mkdir(parents=True)
-        except OSError as exc:
+            private_root()
+            _store.make_folder(target)
+        except (OSError, SnapshotError) as exc:
             problem = f"rank {located.rank}: cannot create {target}: {exc}"
     _agree(ranks, problem, "preparing the folders")
     result = exchange(transfers, ranks, source=located.folder, target=target)
     _agree(ranks, "; ".join(result.problems) or None, "copying files between hosts")
     problem = None
-    if hosts.is_leader(located.rank) and (fresh or not (target / _store.RECORD_FILE).is_file()):
+    if hosts.is_leader(located.rank) and (fresh or not located.described[located.rank]):
         try:
-            _store.write_descriptions(target, located.manifest_json, located.record_json)
+            _store.write_descriptions(target, located.texts)
             if fresh:
                 _layout.publish(target, located.folder)
         except Exception as exc:

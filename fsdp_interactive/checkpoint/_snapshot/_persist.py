@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 from pathlib import Path
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._pipeline import _check_shared
@@ -23,11 +23,13 @@ _COPY_CHUNK = 16 << 20
 
 
 def _copy_checked(source: Path, target: Path, expected: _manifest.FileRecord) -> str | None:
-    """Copy ``source`` to ``target`` (fsynced), hashing on the way; a problem or ``None``."""
-    digest = hashlib.sha256()
+    """Copy ``source`` to ``target`` (fsynced), taking its checksum on the way; a problem
+    or ``None``."""
+    digest = _manifest.new_checksum(expected.algorithm)
     size = 0
     try:
-        with open(source, "rb") as src, open(target, "wb") as dst:
+        src_fd = _private_files.open_regular(source)
+        with os.fdopen(src_fd, "rb") as src, open(target, "wb") as dst:
             while chunk := src.read(_COPY_CHUNK):
                 digest.update(chunk)
                 dst.write(chunk)
@@ -36,7 +38,7 @@ def _copy_checked(source: Path, target: Path, expected: _manifest.FileRecord) ->
             os.fsync(dst.fileno())
     except OSError as exc:
         return f"copying {source} to {target} failed: {exc}"
-    if size != expected.size or digest.hexdigest() != expected.sha256:
+    if size != expected.size or digest.hexdigest() != expected.digest:
         return f"{source}: does not match its checksum (damaged); nothing was persisted"
     return None
 
@@ -105,7 +107,7 @@ def persist_snapshot(
         raise SnapshotError(f"persisting snapshot {located.id} failed: " + "; ".join(found))
 
     def publish() -> CheckpointRecord:
-        _store.write_descriptions(partial, located.manifest_json, located.record_json)
+        _store.write_descriptions(partial, located.texts)
         _layout.publish(partial, final)
         return located.manifest.record(final)
 

@@ -4,7 +4,10 @@ host keeps which rank's files (the ring).
 * The folder (the *root*) is ``$FSDPI_SNAPSHOT_ROOT`` (a pool sets it for every engine,
   one per pool, in host memory), else ``/dev/shm/fsdpi-snapshots-<uid>`` (the system's
   temporary folder where there is no ``/dev/shm``). Ranks on one host share it; ranks on
-  different hosts have different physical folders at the same path.
+  different hosts have different physical folders at the same path. It must be a
+  private folder of this user (mode 0700, not a link; :func:`private_root`), made here
+  when missing: a root someone else made (the default path can be guessed) is refused
+  before anything is read from it or written to it.
 * The host of a rank is ``$FSDPI_SNAPSHOT_HOST`` when set, else ``socket.gethostname()``.
   The variable exists so that tests can place the ranks of one machine on simulated
   hosts (each with its own root); a pool never sets it.
@@ -26,8 +29,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from fsdp_interactive import _private_files
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint.errors import SnapshotError
 
 ROOT_ENV = "FSDPI_SNAPSHOT_ROOT"
 HOST_ENV = "FSDPI_SNAPSHOT_HOST"
@@ -47,6 +52,34 @@ def root_folder(root: str | os.PathLike | None = None) -> Path:
     if root is None:
         root = os.environ.get(ROOT_ENV) or default_root()
     return Path(root).absolute()
+
+
+def private_root(root: str | os.PathLike | None = None, *, create: bool = True) -> Path | None:
+    """:func:`root_folder`, checked to be a private folder of this user (made so when it is
+    missing and ``create``; ``None`` when it is missing and not ``create``).
+
+    Raises :class:`SnapshotError` naming the folder, what is wrong with it and what to do,
+    when it is not one (another user's, a link, other users may enter it).
+    """
+    folder = root_folder(root)
+    try:
+        if create:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            _private_files.make_private_folder(folder, exist_ok=True)
+        else:
+            _private_files.check_private_folder(folder)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except _private_files.NotPrivateError as exc:
+        raise SnapshotError(
+            f"refusing the snapshot folder {exc.path}: it {exc.reason}. Snapshots live only "
+            "in a folder of this user's, mode 0700: another user may have made this one "
+            f"first. Remove it if it is yours (chmod 700 keeps it), or set {ROOT_ENV} to "
+            "another folder"
+        ) from None
+    return folder
 
 
 def host_name() -> str:

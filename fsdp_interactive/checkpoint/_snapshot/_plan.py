@@ -1,6 +1,6 @@
-"""Before a snapshot writes anything: the hosts, its id, the room on every host, and the
-unfinished folder on every host. Collective; every rank gets the same plan (its own
-folders) or raises the same error.
+"""Before a snapshot writes anything: the hosts, its id, the room on every host, the key
+its seal takes, and the unfinished folder on every host. Collective; every rank gets the
+same plan (its own folders) or raises the same error.
 """
 
 from __future__ import annotations
@@ -13,8 +13,14 @@ from typing import Any, NamedTuple
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout
-from fsdp_interactive.checkpoint._snapshot import _room, _store
-from fsdp_interactive.checkpoint._snapshot._place import ROOT_ENV, Hosts, host_name, root_folder
+from fsdp_interactive.checkpoint._snapshot import _room, _seal, _store
+from fsdp_interactive.checkpoint._snapshot._place import (
+    ROOT_ENV,
+    Hosts,
+    host_name,
+    private_root,
+    root_folder,
+)
 from fsdp_interactive.checkpoint.errors import SnapshotError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ class SnapshotPlan:
     call: int | None
     names: dict[str, Any]
     keys: list[str]
+    #: The key the snapshot is sealed with (:mod:`._seal`), the same on every rank.
+    key: bytes = b""
 
     @property
     def final(self) -> Path:
@@ -68,15 +76,21 @@ class _Seen(NamedTuple):
     need: int
     error: str | None
     token: str
+    key: str  # the key's fingerprint
 
 
-def _look(root: Path) -> tuple[int, int, str | None]:
-    """(highest number under ``root``, free bytes there, error) on this rank."""
+def _look(root: Path) -> tuple[int, int, bytes, str | None]:
+    """(highest number under ``root``, free bytes there, the snapshot key, error) on this
+    rank; the root is made a private folder, or refused."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        return _store.highest_number(root), _room.free_bytes(root), None
+        private_root(root)
+        key = _seal.snapshot_key(root)
+        assert key is not None  # made when missing
+        return _store.highest_number(root), _room.free_bytes(root), key, None
+    except SnapshotError as exc:
+        return 0, 0, b"", str(exc)
     except OSError as exc:
-        return 0, 0, f"cannot use the snapshot folder {root} ({exc}); set {ROOT_ENV}"
+        return 0, 0, b"", f"cannot use the snapshot folder {root} ({exc}); set {ROOT_ENV}"
 
 
 def plan(
@@ -102,8 +116,17 @@ def plan(
     """
     global _last_number
     root = root_folder()
-    highest, free, error = _look(root)
-    mine = _Seen(host_name(), str(root), highest, free, need, error, _layout.new_token())
+    highest, free, key, error = _look(root)
+    mine = _Seen(
+        host_name(),
+        str(root),
+        highest,
+        free,
+        need,
+        error,
+        _layout.new_token(),
+        _seal.fingerprint(key),
+    )
     seen: list[_Seen] = ranks.all_gather((mine, (created, call, names)))
     # What describes the snapshot is rank 0's, so that every host's record is the same.
     created, call, names = seen[0][1]
@@ -111,6 +134,12 @@ def plan(
     errors = [f"rank {r}: {s.error}" for r, s in enumerate(seen) if s.error is not None]
     if errors:
         raise SnapshotError("snapshot refused, nothing was written: " + "; ".join(errors))
+    if len({s.key for s in seen}) > 1:
+        raise SnapshotError(
+            "ranks hold different snapshot keys (their hosts' roots keep their own outside a "
+            f"pool): give every rank the same ${_seal.KEY_ENV} (hex, e.g. from "
+            "secrets.token_hex(32)); nothing was written"
+        )
     hosts = Hosts(tuple(s.host for s in seen))
     mixed = hosts.mixed_roots([s.root for s in seen])
     if mixed:
@@ -131,7 +160,7 @@ def plan(
     if hosts.is_leader(ranks.rank):
         try:
             _store.remove_leftovers(root)
-            partial.mkdir()
+            _store.make_folder(partial)
         except OSError as exc:
             made = (
                 f"rank {ranks.rank} on {hosts.of_rank[ranks.rank]}: cannot create {partial}: {exc}"
@@ -159,4 +188,5 @@ def plan(
         call=call,
         names=names,
         keys=keys,
+        key=key,
     )

@@ -1,13 +1,15 @@
-"""After DCP wrote every rank's shards: checksums, the metadata and the ring copies on
-every host, the descriptions, the publishing rename per host, rotation, the notice.
+"""After every rank wrote its shards (:mod:`.._raw_storage`, which took each file's
+checksum on the way): the metadata and the ring copies on every host, the descriptions,
+the publishing rename per host, rotation, the notice.
 
 Collective over the snapshot's ranks, in this order, each step agreed before the next:
 
-1. every rank hashes its own data files; rank 0 shares the DCP metadata;
+1. every rank shares its files' checksum records; rank 0 shares the DCP metadata;
 2. every host's leader writes the metadata into its host's folder, and every rank's
    files are sent to the following host (:mod:`._transfer`), checked on arrival;
-3. every host's leader writes ``manifest.json`` and ``snapshot.json`` (the same on every
-   host) and renames its folder to the snapshot's id: the snapshot is published there;
+3. every host's leader writes ``manifest.json``, ``snapshot.json`` and their seal
+   (:mod:`._seal`; the same on every host) and renames its folder to the snapshot's id:
+   the snapshot is published there;
 4. once every host has published, each leader removes its snapshots beyond
    ``keep_last``; rank 0 publishes a ``{"kind": "snapshot", ...}`` notice.
 
@@ -20,17 +22,16 @@ new snapshot is published on some hosts only, holding every file it needs on tho
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 from datetime import datetime, timezone
 
-from fsdp_interactive import _notices
+from fsdp_interactive import _notices, _private_files
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._pipeline import Contents
-from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
-from fsdp_interactive.checkpoint._snapshot import _store
+from fsdp_interactive.checkpoint._raw_storage import METADATA_FILE, RawWriter
+from fsdp_interactive.checkpoint._snapshot import _seal, _store
 from fsdp_interactive.checkpoint._snapshot._plan import SnapshotPlan
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
@@ -51,20 +52,12 @@ def _agree(ranks: Ranks, problem: str | None, what: str) -> None:
         raise SnapshotError(f"snapshot failed while {what}: " + "; ".join(problems))
 
 
-def _hash_own(plan: SnapshotPlan) -> tuple[dict[str, _manifest.FileRecord], str | None]:
-    try:
-        own = sorted(p for p in plan.partial.glob(f"__{plan.rank}_*") if p.is_file())
-        return {p.name: _manifest.hash_file(p) for p in own}, None
-    except Exception as exc:
-        return {}, f"rank {plan.rank}: cannot read back its files in {plan.partial}: {exc}"
-
-
 def _spread(plan: SnapshotPlan, ranks: Ranks, gathered: list, metadata: bytes) -> None:
     """Step 2: the metadata on every host, every rank's files on the following host."""
     problem = None
     if plan.leader and plan.rank != 0 and plan.host != plan.hosts.of_rank[0]:
         try:
-            (plan.partial / METADATA_FILE).write_bytes(metadata)
+            _private_files.write_new_file(plan.partial / METADATA_FILE, metadata)
         except Exception as exc:
             problem = f"rank {plan.rank}: cannot write the metadata into {plan.partial}: {exc}"
     transfers = []
@@ -72,7 +65,7 @@ def _spread(plan: SnapshotPlan, ranks: Ranks, gathered: list, metadata: bytes) -
         receiver = plan.hosts.receiver(rank)
         if receiver is not None:
             for name, rec in sorted(records.items()):
-                transfers.append(Transfer(name, rec.size, rec.sha256, rank, receiver))
+                transfers.append(Transfer(name, rec, rank, receiver))
     done = exchange(transfers, ranks, source=plan.partial, target=plan.partial)
     problems = [p for p in [problem, *done.problems] if p is not None]
     _agree(ranks, "; ".join(problems) or None, "copying files to the following host")
@@ -124,43 +117,55 @@ def _describe(
 
 
 def finish(
-    plan: SnapshotPlan, contents: Contents, ranks: Ranks, *, blocking: float | None
+    plan: SnapshotPlan,
+    contents: Contents,
+    ranks: Ranks,
+    written: RawWriter,
+    *,
+    blocking: float | None,
 ) -> SnapshotRecord:
-    """Steps 1-4 (see the module). ``blocking``: the blocking seconds of a background
-    snapshot (``None``: synchronous, the whole call until publishing counts)."""
+    """Steps 1-4 (see the module), after ``written`` wrote this rank's files.
+    ``blocking``: the blocking seconds of a background snapshot (``None``: synchronous,
+    the whole call until publishing counts)."""
     try:
-        return _finish(plan, contents, ranks, blocking)
+        return _finish(plan, contents, ranks, written, blocking)
     except BaseException:
         abandon(plan)
         raise
 
 
 def _finish(
-    plan: SnapshotPlan, contents: Contents, ranks: Ranks, blocking: float | None
+    plan: SnapshotPlan,
+    contents: Contents,
+    ranks: Ranks,
+    written: RawWriter,
+    blocking: float | None,
 ) -> SnapshotRecord:
-    records, problem = _hash_own(plan)
-    metadata = b""
-    if plan.rank == 0:
-        try:
-            metadata = (plan.partial / METADATA_FILE).read_bytes()
-        except Exception as exc:
-            problem = f"rank 0: cannot read the DCP metadata in {plan.partial}: {exc}"
-    gathered = ranks.all_gather((records, metadata if plan.rank == 0 else None, problem))
-    _agree(ranks, problem, "reading back the written files")
+    records = {n: r for n, r in written.files.items() if n != METADATA_FILE}
+    metadata = written.metadata_bytes if plan.rank == 0 else None
+    problem = None
+    if plan.rank == 0 and metadata is None:
+        problem = f"rank 0: DCP wrote no metadata into {plan.partial}"
+    gathered = ranks.all_gather((records, metadata, problem))
+    _agree(ranks, problem, "collecting the written files' checksums")
     metadata = gathered[0][1]
     files = {name: rec for own, _, _ in gathered for name, rec in own.items()}
     files[METADATA_FILE] = _manifest.FileRecord(
-        size=len(metadata), sha256=hashlib.sha256(metadata).hexdigest()
+        len(metadata), _manifest.checksum_of(metadata, _manifest.CRC32), _manifest.CRC32
     )
     _spread(plan, ranks, gathered, metadata)
 
     # The longest rank's blocking time: the snapshot held training back that long.
     seconds = max(ranks.all_gather(plan.elapsed() if blocking is None else blocking))
     manifest, record = _describe(plan, contents, files, seconds)
+    manifest_json, record_json = manifest.to_json(), record.to_json()
+    texts = _store.Texts(
+        manifest_json, record_json, _seal.seal(plan.key, plan.id, manifest_json, record_json)
+    )
     problem = None
     if plan.leader:
         try:
-            _store.write_descriptions(plan.partial, manifest.to_json(), record.to_json())
+            _store.write_descriptions(plan.partial, texts)
         except Exception as exc:
             problem = f"rank {plan.rank}: cannot write the descriptions in {plan.partial}: {exc}"
     _agree(ranks, problem, "describing the snapshot")

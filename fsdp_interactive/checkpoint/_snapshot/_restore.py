@@ -22,7 +22,7 @@ from fsdp_interactive.checkpoint._snapshot._locate import Completed, Located, co
 from fsdp_interactive.checkpoint._snapshot._names import NOT_A_GLOBAL, resolve
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
 from fsdp_interactive.checkpoint._snapshot._record import RestoreReport, SnapshotRecord
-from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, id_number, read_record
+from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, id_number, read_folder_record
 from fsdp_interactive.checkpoint._snapshot._take import RNG_KEY
 from fsdp_interactive.checkpoint.errors import IncompatibleCheckpointError
 from fsdp_interactive.fsdp import _fqn_state
@@ -72,7 +72,7 @@ def _from_folder(folder: Path, ranks: Ranks) -> _Source:
     def read() -> tuple[_manifest.Manifest, SnapshotRecord | None]:
         manifest, _ = check_folder(folder)
         has_record = (folder / RECORD_FILE).is_file()
-        return manifest, read_record(folder) if has_record else None
+        return manifest, read_folder_record(folder) if has_record else None
 
     manifest, record = _agreed(ranks, read)
     if record is not None:
@@ -204,6 +204,7 @@ def restore_snapshot(
         stateful=stateful,
         strict=strict,
         verify=source.located is None,  # a snapshot's copies were checked by complete()
+        in_place=True,
     )
     phases["load"] = time.monotonic() - loading
     report = RestoreReport(

@@ -1,17 +1,21 @@
 """One host's snapshot folder: ids, published and unfinished snapshots, listing,
 rotation and removal.
 
-Layout of a root (see :mod:`._place` for which root)::
+Layout of a root (a private folder of this user, see :func:`._place.private_root`)::
 
-    <root>/s000007/                      published: a DCP checkpoint folder with
-        .metadata  __<r>_0.distcp ...    this host's ranks' files and the ring copies
+    <root>/s000007/                      published: a DCP checkpoint folder (raw format)
+        .metadata  __<r>_0.distcp ...    with this host's ranks' files and the ring copies
         manifest.json                    the checkpoint manifest (every file's checksum)
         snapshot.json                    the SnapshotRecord
+        seal.json                        both authenticated with the pool's key (._seal)
     <root>/.s000008.partial-<token>/     being written; never listed
 
+Every folder is made mode 0700 and every file mode 0600, new (``O_EXCL | O_NOFOLLOW``).
 A folder is published by one rename once complete on its host, so a rank or host that
 dies while a snapshot is written leaves a dot-folder, which the next snapshot into the
-root removes, and the previous snapshots whole. Nothing here talks to other ranks.
+root removes, and the previous snapshots whole. A folder is listed, or restored, only
+when its seal authenticates its manifest and record under the pool's key. Nothing here
+talks to other ranks.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
-from fsdp_interactive.checkpoint._snapshot._place import Hosts, host_name, root_folder
+from fsdp_interactive.checkpoint._snapshot import _seal
+from fsdp_interactive.checkpoint._snapshot._place import Hosts, host_name, private_root
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -59,30 +66,75 @@ def highest_number(root: Path) -> int:
     return max(numbers)
 
 
-def read_record(folder: Path) -> SnapshotRecord:
-    """The record of the snapshot folder ``folder``; :class:`CorruptCheckpointError` naming
-    the file when it is missing or invalid."""
+@dataclass(frozen=True)
+class Texts:
+    """The three description files of a snapshot folder, as read (``seal``: ``None`` when
+    the folder has none)."""
+
+    manifest: str
+    record: str
+    seal: str | None
+
+
+def read_texts(folder: Path) -> Texts:
+    """The description files of ``folder`` (regular files, no link followed);
+    :class:`CorruptCheckpointError` naming a file that cannot be read."""
+    found = []
+    for name in (_manifest.MANIFEST_FILE, RECORD_FILE, _seal.SEAL_FILE):
+        try:
+            found.append(_private_files.read_regular(folder / name).decode("utf-8"))
+        except FileNotFoundError:
+            if name != _seal.SEAL_FILE:
+                raise CorruptCheckpointError(
+                    f"{folder / name}: missing: {folder} is not a published snapshot",
+                    file=str(folder / name),
+                ) from None
+            found.append(None)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(
+                f"{folder / name}: cannot read it ({exc})", file=str(folder / name)
+            ) from exc
+    return Texts(*found)
+
+
+def unseal(folder: Path, texts: Texts, key: bytes) -> tuple[_manifest.Manifest, SnapshotRecord]:
+    """The manifest and record of ``texts`` (read from ``folder``, named by the snapshot's
+    id), once their seal holds under ``key``; :class:`CorruptCheckpointError` naming the
+    file otherwise (a snapshot this pool did not write, or one altered since)."""
+    _seal.check(key, folder, texts.manifest, texts.record, texts.seal)
+    manifest = _manifest.Manifest.from_json(texts.manifest, folder / _manifest.MANIFEST_FILE)
+    record = SnapshotRecord.from_json(texts.record, folder / RECORD_FILE)
+    if record.id != folder.name:
+        raise CorruptCheckpointError(
+            f"{folder / RECORD_FILE}: describes {record.id}, not {folder.name}",
+            file=str(folder / RECORD_FILE),
+        )
+    return manifest, record
+
+
+def read_folder_record(folder: Path) -> SnapshotRecord:
+    """The record of a checkpoint folder a caller names (a snapshot persisted to disk):
+    like any disk checkpoint, not authenticated; :class:`CorruptCheckpointError` naming
+    the file when it is unreadable or invalid."""
     path = folder / RECORD_FILE
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+        text = _private_files.read_regular(path).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(
             f"{path}: cannot read the snapshot record ({exc})", file=str(path)
         ) from exc
     return SnapshotRecord.from_json(text, path)
 
 
-def complete_here(folder: Path, record: SnapshotRecord, host: str) -> bool:
+def complete_here(
+    folder: Path, manifest: _manifest.Manifest, record: SnapshotRecord, host: str
+) -> bool:
     """Whether ``folder`` holds, at their manifest sizes, every file ``host`` keeps of it
     (sizes only: checksums are read when a snapshot is restored)."""
-    try:
-        manifest = _manifest.read_manifest(folder)
-    except CheckpointError:
-        return False
     kept = Hosts(tuple(record.hosts)).files_kept(host, sorted(manifest.files))
     for name in kept:
         try:
-            if (folder / name).stat().st_size != manifest.files[name].size:
+            if (folder / name).lstat().st_size != manifest.files[name].size:
                 return False
         except OSError:
             return False
@@ -94,24 +146,28 @@ def list_snapshots(root: str | os.PathLike | None = None) -> list[SnapshotRecord
 
     Not collective: a plain read of this host's root (``root``, else
     ``$FSDPI_SNAPSHOT_ROOT``, else the default under ``/dev/shm``), any process may call
-    it. Unfinished snapshots (dot-folders), folders without a valid record or manifest,
-    and folders that lack a file this host keeps (checked by size) are not listed. A
-    snapshot whose files another host kept may be restorable although it is not listed
-    here: :func:`restore_snapshot` looks on every host.
+    it. A root that is not a private folder of this user raises :class:`SnapshotError`
+    (nothing in it is trusted). Unfinished snapshots (dot-folders), folders without a
+    valid record or manifest, folders whose seal does not hold under the pool's key (not
+    written by this pool), and folders that lack a file this host keeps (checked by size)
+    are not listed. A snapshot whose files another host kept may be restorable although
+    it is not listed here: :func:`restore_snapshot` looks on every host.
     """
-    folder = root_folder(root)
-    if not folder.is_dir():
+    folder = private_root(root, create=False)
+    key = None if folder is None else _seal.snapshot_key(folder, create=False)
+    if folder is None or key is None:
         return []
     host = host_name()
     found = []
     for child in folder.iterdir():
-        if id_number(child.name) is None or not child.is_dir():
+        if id_number(child.name) is None or not child.is_dir() or child.is_symlink():
             continue
         try:
-            record = read_record(child)
-        except CheckpointError:
+            manifest, record = unseal(child, read_texts(child), key)
+        except CheckpointError as exc:
+            logger.info("not listed: %s", exc)
             continue
-        if record.id == child.name and complete_here(child, record, host):
+        if complete_here(child, manifest, record, host):
             found.append(record)
     return sorted(found, key=lambda r: id_number(r.id) or 0)
 
@@ -126,6 +182,19 @@ def published_ids(root: Path) -> list[str]:
         if id_number(c.name) is not None and (c / RECORD_FILE).is_file()
     ]
     return sorted(ids, key=lambda name: id_number(name) or 0)
+
+
+def sealed_ids(root: Path, key: bytes) -> list[str]:
+    """:func:`published_ids` whose seal holds under ``key``: the snapshots of this pool."""
+    found = []
+    for name in published_ids(root):
+        try:
+            unseal(root / name, read_texts(root / name), key)
+        except CheckpointError as exc:
+            logger.info("not a snapshot of this pool: %s", exc)
+            continue
+        found.append(name)
+    return found
 
 
 def rotate(root: Path, keep_last: int, protect: str) -> list[str]:
@@ -146,11 +215,26 @@ def remove_leftovers(root: Path) -> list[Path]:
     return _layout.remove_stale_partials(root)
 
 
-def write_descriptions(folder: Path, manifest_json: str, record_json: str) -> None:
-    """Write ``manifest.json`` and ``snapshot.json`` into ``folder`` durably (the last
-    files of a snapshot, before its publishing rename)."""
-    _manifest.write_text_durably(folder / _manifest.MANIFEST_FILE, manifest_json)
-    _manifest.write_text_durably(folder / RECORD_FILE, record_json)
+def make_folder(path: Path) -> None:
+    """Create the private folder ``path`` (mode 0700) in a root; refused when it exists."""
+    _private_files.make_private_folder(path, exist_ok=False)
+
+
+def _write_private(folder: Path, name: str, text: str) -> None:
+    """``text`` into ``folder/name`` (mode 0600), written under a new temporary name and
+    renamed over ``name``: never through a link, never half written."""
+    temporary = folder / f".{name}.{_layout.new_token()}"
+    _private_files.write_new_file(temporary, text.encode("utf-8"))
+    os.replace(temporary, folder / name)
+
+
+def write_descriptions(folder: Path, texts: Texts) -> None:
+    """Write ``manifest.json``, ``snapshot.json`` and ``seal.json`` into ``folder``
+    durably (the last files of a snapshot, before its publishing rename)."""
+    assert texts.seal is not None, "a snapshot is never published without its seal"
+    _write_private(folder, _manifest.MANIFEST_FILE, texts.manifest)
+    _write_private(folder, RECORD_FILE, texts.record)
+    _write_private(folder, _seal.SEAL_FILE, texts.seal)
     _layout.fsync_dir(folder)
 
 
@@ -159,19 +243,27 @@ def drop_snapshots(root: str | os.PathLike | None = None) -> list[str]:
     left empty; the removed paths. Not collective (what a pool's ``stop()`` runs on each
     host).
 
-    Only snapshot folders are removed (published ids and their dot-folders): a root that
-    also holds other files keeps them, and is then not removed. A background snapshot of
-    this process still being written fails (its folder is gone), and says so on its handle.
+    Only snapshot folders are removed (published ids and their dot-folders), and the
+    root's own key (``.key``, made outside a pool): a root that also holds other files
+    keeps them, and is then not removed. A root that is not a private folder of this user
+    is left alone (nothing). A background snapshot of this process still being written
+    fails (its folder is gone), and says so on its handle.
     """
-    folder = root_folder(root)
-    if not folder.is_dir():
+    try:
+        folder = private_root(root, create=False)
+    except CheckpointError as exc:
+        logger.warning("snapshots not dropped: %s", exc)
+        return []
+    if folder is None:
         return []
     removed = []
     for child in folder.iterdir():
         ours = id_number(child.name) is not None or _PARTIAL_ID.match(child.name)
-        if ours and child.is_dir():
+        if ours and child.is_dir() and not child.is_symlink():
             shutil.rmtree(child, ignore_errors=True)
             removed.append(str(child))
+    with contextlib.suppress(OSError):
+        (folder / _seal.KEY_FILE).unlink()
     with contextlib.suppress(OSError):
         folder.rmdir()
     logger.info("dropped %d snapshot folders under %s", len(removed), folder)

@@ -11,20 +11,25 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_interactive import _notices
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint import _pipeline
 from fsdp_interactive.checkpoint._handle import INFLIGHT as SAVES
+from fsdp_interactive.checkpoint._raw_storage import RawWriter
 from fsdp_interactive.checkpoint._rng import RNGState
+from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint._snapshot import _plan, _publish, _room
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT, SnapshotHandle
 from fsdp_interactive.checkpoint._snapshot._names import record_names, unlocated_error
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._stateful import check_stateful
+from fsdp_interactive.checkpoint.errors import CheckpointError
 from fsdp_interactive.fsdp._fqn_state import map_tensors
 
 logger = logging.getLogger(__name__)
@@ -75,14 +80,20 @@ def snapshot(
       ``ValueError`` for bad arguments (``model`` not a module, ``keep_last`` < 1, a
       keyword starting with ``_`` or named ``snapshot_rng``, an object without
       ``state_dict``/``load_state_dict``).
+    * Each rank writes its shards' bytes as they are in memory into one file in host
+      memory (no ``torch.save`` framing; :mod:`fsdp_interactive.checkpoint._raw_storage`),
+      taking the file's CRC-32 on the way; the manifest holding the checksums and the
+      record are sealed with the pool's key (:mod:`._seal`).
     * ``background=False``: returns the :class:`SnapshotRecord` once published.
-      ``background=True``: copies the state to CPU memory in the calling thread (the
-      blocking part, in ``handle.seconds``), then writes and publishes on a background
-      thread (its collectives on a gloo group of their own) and returns a
-      :class:`SnapshotHandle` at once; changing the model or the objects afterwards does
-      not change what is written. A snapshot started while this process's previous
-      background snapshot is still written waits for it first (so do
-      :func:`restore_snapshot` and :func:`persist_snapshot`).
+      ``background=True``: writes the state into host memory in the calling thread (the
+      blocking part, in ``handle.seconds``: that copy is the staging), then copies it to
+      the following host and publishes on a background thread (its collectives on a
+      gloo group of their own) and returns a :class:`SnapshotHandle` at once; changing
+      the model or the objects afterwards does not change what is written. A snapshot
+      started while this process's previous background snapshot is still published waits
+      for it first (so do :func:`restore_snapshot` and :func:`persist_snapshot`). A
+      failure of the write raises from the call itself; one of the publishing, on the
+      handle.
     * After publishing, rank 0 publishes the notice ``{"kind": "snapshot", **record}``
       (:mod:`fsdp_interactive._notices`); ``record.call`` is the notebook call current
       when ``snapshot`` was called.
@@ -195,9 +206,8 @@ def take(
         # refused, on every rank alike, when one could not be found again.
         snapshot_ranks().agree(unlocated_error(names, optimizer, stateful))
     if background:
-        # Staging may go through buffers a process keeps for every async write (pinned
-        # ones for CUDA state): an async checkpoint save still writing from them must end
-        # first, as a checkpoint save waits for a snapshot in flight.
+        # One write of the training state at a time per process (a checkpoint save waits
+        # for a snapshot in flight likewise): an async save still writing ends first.
         SAVES.make_room("wait", Ranks(local=True))
     ranks = snapshot_ranks()
     objects = check_stateful({**stateful, RNG_KEY: RNGState()})
@@ -213,35 +223,23 @@ def take(
         names=names,
         keys=sorted(captured.state["model"]),
     )
-    request = _pipeline.SaveRequest(plan.final, step, None, False, "{}")
-    mode: _pipeline.Mode = "async" if background else "sync"
-    writing = _pipeline.SavePlan(request, plan.partial, mode, started)
-    if not background:
-        try:
-            _pipeline._write(captured.state, writing, ranks)
-        except BaseException:
-            _publish.abandon(plan)
-            raise
-        return _publish.finish(plan, captured.contents, ranks, blocking=None)
-
     try:
-        upload = _pipeline._stage(captured.state, writing, ranks)
+        written = write(captured.state, plan, ranks)
     except BaseException:
         _publish.abandon(plan)
         raise
-    handle = SnapshotHandle(plan.id, plan.elapsed())
     contents = captured.contents
-    del captured  # the background thread keeps the staged copy only
-    logger.info("snapshot %s staged in %.3fs; writing in the background", plan.id, handle.seconds)
+    del captured
+    if not background:
+        return _publish.finish(plan, contents, ranks, written, blocking=None)
+    handle = SnapshotHandle(plan.id, plan.elapsed())
+    logger.info(
+        "snapshot %s written in %.3fs; publishing in the background", plan.id, handle.seconds
+    )
 
-    def write_and_publish() -> None:
+    def publish() -> None:
         try:
-            try:
-                _pipeline._await_upload(upload, writing, ranks)
-            except BaseException:
-                _publish.abandon(plan)
-                raise
-            record = _publish.finish(plan, contents, ranks, blocking=handle.seconds)
+            record = _publish.finish(plan, contents, ranks, written, blocking=handle.seconds)
         except BaseException as exc:
             logger.warning("background snapshot %s failed: %s", plan.id, exc)
             handle._finish(None, exc)
@@ -249,5 +247,31 @@ def take(
             handle._finish(record)
 
     INFLIGHT.hold(handle)
-    threading.Thread(target=write_and_publish, name=f"snapshot:{plan.id}", daemon=True).start()
+    threading.Thread(target=publish, name=f"snapshot:{plan.id}", daemon=True).start()
     return handle
+
+
+def write(state: dict[str, Any], plan: _plan.SnapshotPlan, ranks: Ranks) -> RawWriter:
+    """Every rank's shards of ``state`` into its host's unfinished folder of ``plan``, in
+    the raw format (collective: DCP plans the items and rank 0 writes the metadata); the
+    writer, which holds this rank's files' checksums."""
+    began = time.monotonic()
+    writer = RawWriter(plan.partial)
+    try:
+        with single_process_quietly():
+            dcp.save(
+                state,
+                storage_writer=writer,
+                process_group=ranks.group,
+                no_dist=not ranks.distributed,
+            )
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"writing snapshot data to {plan.partial} failed: {exc}") from exc
+    logger.info(
+        "rank %d wrote %d bytes of snapshot %s in %.3fs",
+        ranks.rank,
+        sum(r.size for r in writer.files.values()),
+        plan.id,
+        time.monotonic() - began,
+    )
+    return writer

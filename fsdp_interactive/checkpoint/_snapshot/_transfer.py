@@ -5,9 +5,14 @@ Every rank of the group calls :func:`exchange` with the same list of :class:`Tra
 a rank reads the files it sends from its own ``source`` folder and writes the files it
 receives into its own ``target`` folder. Files travel in chunks of at most
 ``chunk_bytes`` (bounded memory), all transfers' chunks of one round at once (pairs of
-hosts copy in parallel). A received file is written under a dot-name, checked against
-the size and SHA-256 it should have, then renamed into place, so a file that is there is
-whole.
+hosts copy in parallel). A received file is written under a new dot-name (mode 0600,
+never through a link), checked against the size and checksum its manifest record gives
+(what the receiving rank holds: at a restore, a manifest whose seal it checked with the
+pool's key, :mod:`._seal`; never a value that came with the file), then renamed into
+place, so a file that is there is whole and the one the manifest names. The checksum
+catches damage on the way; bytes crafted to match it would have to be injected into
+torch's own traffic between the hosts, which must run on a trusted network
+(docs/security.md).
 
 A failure (a file that cannot be read or written, a checksum that does not match) does
 not stop the exchange, whose collectives must go on for the peers: the sender sends
@@ -19,7 +24,6 @@ partners; the others may wait until the group's timeout.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -30,8 +34,9 @@ from typing import BinaryIO
 import torch
 import torch.distributed as dist
 
+from fsdp_interactive import _private_files
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout
+from fsdp_interactive.checkpoint import _layout, _manifest
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +45,17 @@ CHUNK_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Transfer:
-    """Send file ``name`` (``size`` bytes, SHA-256 ``sha256``) from rank ``src`` to ``dst``."""
+    """Send file ``name`` (as ``record``, its manifest entry, says it is) from rank ``src``
+    to ``dst``."""
 
     name: str
-    size: int
-    sha256: str
+    record: _manifest.FileRecord
     src: int
     dst: int
+
+    @property
+    def size(self) -> int:
+        return self.record.size
 
 
 @dataclass
@@ -66,9 +75,11 @@ def _chunks(size: int, chunk_bytes: int) -> int:
 class _Outgoing:
     def __init__(self, transfer: Transfer, folder: Path, result: Exchanged):
         self.transfer, self.result = transfer, result
+        self.path = folder / transfer.name
         self.file: BinaryIO | None = None
         try:
-            self.file = open(folder / transfer.name, "rb")  # noqa: SIM115 - closed in close()
+            fd = _private_files.open_regular(self.path)
+            self.file = os.fdopen(fd, "rb")  # closed in close()
         except OSError as exc:
             result.problems.append(f"cannot read {folder / transfer.name} to send it: {exc}")
 
@@ -81,7 +92,7 @@ class _Outgoing:
                 if got != length:
                     raise OSError(f"read {got} of {length} bytes at offset {offset}")
             except OSError as exc:
-                self.result.problems.append(f"reading {self.file.name} to send it failed: {exc}")
+                self.result.problems.append(f"reading {self.path} to send it failed: {exc}")
                 self.close()
         self.result.sent_bytes += length
         return buffer
@@ -97,10 +108,10 @@ class _Incoming:
         self.transfer, self.result = transfer, result
         self.final = folder / transfer.name
         self.temporary = folder / f".{transfer.name}.incoming-{token}"  # token: one per transfer
-        self.digest = hashlib.sha256()
+        self.digest = _manifest.new_checksum(transfer.record.algorithm)
         self.file: BinaryIO | None = None
         try:
-            self.file = open(self.temporary, "wb")  # noqa: SIM115 - closed in finish()
+            self.file = os.fdopen(_private_files.create_file(self.temporary), "wb")
         except OSError as exc:
             result.problems.append(f"cannot write {self.temporary}: {exc}")
 
@@ -125,7 +136,7 @@ class _Incoming:
             os.fsync(file.fileno())
         finally:
             file.close()
-        if self.digest.hexdigest() != self.transfer.sha256:
+        if self.digest.hexdigest() != self.transfer.record.digest:
             self.result.problems.append(
                 f"{self.final}: the copy received from rank {self.transfer.src} does not "
                 "match its checksum (the sender's file is damaged)"

@@ -128,3 +128,13 @@ def death_report(rank: int, record: CallRecord | None, log: LogDuring) -> str:
             "from it ---"
         )
     return f"--- rank {rank} wrote nothing during this call ---"
+
+
+def idle_death_report(rank: int, log: LogDuring) -> str:
+    """What to show of rank ``rank`` that died while no call ran on it: a crash report its
+    engine log holds (:func:`log_during` without a request keeps only that), else that it
+    ran nothing."""
+    logged = log.text.rstrip()
+    if logged:
+        return f"--- rank {rank} ran no call; its engine log shows a crash ---\n{logged}"
+    return f"--- rank {rank} ran no call when it died ---"

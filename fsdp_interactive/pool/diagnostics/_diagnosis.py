@@ -53,7 +53,12 @@ from fsdp_interactive.pool.common._stacks import (
 )
 from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._agent_client import RankAgents
-from fsdp_interactive.pool.diagnostics._death_report import CallRecord, death_report, log_during
+from fsdp_interactive.pool.diagnostics._death_report import (
+    CallRecord,
+    death_report,
+    idle_death_report,
+    log_during,
+)
 from fsdp_interactive.pool.errors import RankDied, RankInterrupted, RankTimeout, strip_ansi
 
 log = logging.getLogger(__name__)
@@ -265,11 +270,15 @@ class Diagnosis:
         dead: list[int],
         engine_of: Callable[[int], Any],
         during: Mapping[int, CallRecord] | None = None,
+        *,
+        between_calls: bool = False,
     ) -> RankDied:
         """The error for ranks ``dead``; ``engine_of(pid)`` gives the
         :class:`pool.processes._launched.EngineProcess` of a pid (``None``: not started by the pool,
         whose exit status is then unknown); ``during`` maps the ranks of the call that saw
-        the deaths to their part of it (a dead rank missing there was not part of it)."""
+        the deaths to their part of it (a dead rank missing there was not part of it);
+        ``between_calls``: the ranks died while no call ran (only a crash report in their
+        engine log is shown)."""
         records = {r.rank: r for r in self._records}
         calls = during or {}
         tails: dict[int, str] = {}
@@ -283,7 +292,8 @@ class Diagnosis:
                 record.request if record is not None else None,
             )
             tails[rank] = logged.text
-            reports[rank] = death_report(rank, record, logged)
+            report = idle_death_report(rank, logged) if between_calls else None
+            reports[rank] = death_report(rank, record, logged) if report is None else report
             codes[rank] = engine.exit_code() if engine is not None else None
         log.debug("ranks %s died; exit statuses %s", dead, codes)
         hosts = {r.host for r in self._records}
@@ -301,6 +311,7 @@ class Diagnosis:
             pids={rank: records[rank].pid for rank in dead},
             lost_hosts=lost_hosts,
             reports=reports,
+            between_calls=between_calls,
         )
 
     def blocked_in_collective(

@@ -36,7 +36,9 @@ class InterruptReport:
     only once the C++ call returns) and only a new group does (``recover()`` or
     ``restart()``); ``left_behind``: stopped ranks that left an NCCL collective unfinished
     on their GPU (what), which also only a new group clears; ``running``: ranks that had not stopped yet, elsewhere; ``idle``:
-    ranks that ran no call the pool was waiting for (they were signalled too).
+    ranks that ran no call the pool was waiting for (they were signalled too);
+    ``snapshot_taken``: whether a recovery has a snapshot to go back to (without one, only
+    a restart is named).
     """
 
     signalled: list[int]
@@ -45,6 +47,7 @@ class InterruptReport:
     running: dict[int, str] = field(default_factory=dict)
     idle: list[int] = field(default_factory=list)
     left_behind: dict[int, str] = field(default_factory=dict)
+    snapshot_taken: bool = True
 
     @property
     def needs_restart(self) -> bool:
@@ -79,13 +82,13 @@ class InterruptReport:
                 )
             if self.left_behind:
                 why.append("NCCL work left queued on a GPU blocks that rank's next collective")
+            recover = RECOVER.render(notebook).replace("go back to the last snapshot with ", "")
+            restart = RESTART.render(notebook).replace("start a fresh group with ", "")
             lines.append(
                 "; ".join(why)
                 + "; only a new group frees it: "
-                + RECOVER.render(notebook).replace("go back to the last snapshot with ", "")
-                + " (back to the last snapshot) or "
-                + RESTART.render(notebook).replace("start a fresh group with ", "")
-                + " (rank state is discarded)."
+                + (f"{recover} (back to the last snapshot) or " if self.snapshot_taken else "")
+                + f"{restart} (rank state is discarded)."
             )
         return lines
 

@@ -1,7 +1,7 @@
 """A process that imports torch and ipyparallel's engine once, then forks engine processes.
 
-``python -m fsdp_interactive.pool.processes._engine_forker [--snapshot-root DIR]`` speaks
-JSON lines: it reads requests on stdin and writes replies and events on stdout. It exists
+``python -m fsdp_interactive.pool.processes._engine_forker`` speaks JSON lines: it reads
+requests on stdin and writes replies and events on stdout. It exists
 because importing torch takes seconds of CPU in every new process; engines forked from a
 process that has imported it start without that cost (and share its memory pages until
 they write to them). The pool runs one on its own host, and one on every ssh host, with
@@ -9,7 +9,13 @@ ssh's stdin and stdout as the channel (:mod:`._ssh_forked_launcher`).
 
 Protocol (one JSON object per line):
 
-* event ``{"ready": true, "pid": P, "host": H}`` once, when the imports are done;
+* setup ``{"snapshot_root": DIR or null, "adopt": false}``, the first line the owner
+  writes (:mod:`._forker_setup`: the pool's private path is on no command line): before
+  importing anything, the forker creates ``DIR`` as a private folder (mode 0700, refused
+  when it exists, is a link or is another user's); with a refused root, every fork
+  request is answered with the reason;
+* event ``{"ready": true, "pid": P, "host": H, "snapshot_root": "created" | "adopted" |
+  null, "snapshot_root_error": null | "..."}`` once, when the imports are done;
 * request ``{"token": T, "argv": [...], "env": {...}, "cwd": DIR, "output": FILE}``: fork a
   child that runs ``argv`` as ``python -m MODULE ARGS`` would (``argv`` must have that
   shape: ``[python, "-m", MODULE, *ARGS]``), in its own session, with stdin from
@@ -39,7 +45,7 @@ The forker writes nothing else on stdout; its own diagnostics go to stderr. It e
 when its stdin closes (its owner stopped it, or the owner or the ssh connection to it
 is gone), or on SIGTERM or SIGHUP. Then it ends the children still running (SIGTERM,
 SIGKILL after :data:`END_GRACE_S`), reporting their ends while its owner still
-listens, and removes the snapshot root (``--snapshot-root``). A rank that dies does not
+listens, and removes the snapshot root it made (never a folder it refused). A rank that dies does not
 end it. SIGKILL does, and so does SIGTERM or SIGHUP in the first moments, while the
 interpreter still loads the package and :func:`main` has not taken the signals: then
 the root stays, and the orphan reaper (on the kernel's host) removes it.
@@ -56,7 +62,6 @@ run in an engine.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -74,6 +79,7 @@ from typing import Any
 
 from fsdp_interactive.pool.common import _snapshot_root
 from fsdp_interactive.pool.processes import _forked_nanny, _warm_imports
+from fsdp_interactive.pool.processes._forker_setup import RootState, prepare_root, read_setup
 
 #: Modules imported once here so that no forked engine pays for them: torch, the engine,
 #: its nanny, and the kernel's debugger support it imports while it starts (debugpy, about 0.2 CPU-s
@@ -333,10 +339,11 @@ class _Server:
     """The forker's state while it serves: its children, watched through pidfds, and the
     wake-up pipe through which an ending signal interrupts the wait."""
 
-    def __init__(self, requests_fd: int, replies_fd: int, snapshot_root: str | None) -> None:
+    def __init__(self, requests_fd: int, replies_fd: int, root: RootState) -> None:
         self.requests_fd = requests_fd
         self.replies_fd = replies_fd
-        self.snapshot_root = snapshot_root
+        self.snapshot_root = root.path if root.refused is None else None
+        self.refusal = root.refused
         self.selector = selectors.DefaultSelector()
         self.selector.register(requests_fd, selectors.EVENT_READ, "requests")
         self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -413,6 +420,8 @@ class _Server:
                 self.warm(request["warm"])
                 return
             token = request.get("token") if isinstance(request, dict) else None
+            if self.refusal is not None:
+                raise ValueError(self.refusal)
             pid, nanny_pid = fork_request(request, self.own_descriptors(), self.snapshot_root)
         except (ValueError, OSError) as exc:
             self.send({"token": token, "error": str(exc)})
@@ -463,10 +472,13 @@ class _Server:
         for spec in settled.alone:
             self.warm([spec])
 
-    def serve(self) -> None:
-        """Answer requests until the requests' channel closes or an ending signal comes;
-        report child exits."""
-        pending = b""
+    def serve(self, pending: bytes = b"") -> None:
+        """Answer requests (``pending``: bytes read before) until the requests' channel
+        closes or an ending signal comes; report child exits."""
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.handle(line)
         while not _ending:
             for key, _ in self.selector.select():
                 if key.data == "wakeup":
@@ -516,27 +528,28 @@ class _Server:
         os.close(self.wakeup_w)
 
 
-def serve(requests_fd: int, replies_fd: int, snapshot_root: str | None = None) -> None:
-    """Answer fork requests read from ``requests_fd`` until it closes, or until SIGTERM or
-    SIGHUP comes; report child exits. Then end the children still running and remove
-    ``snapshot_root``. Call it on the main thread (it takes over those two signals).
+def serve(requests_fd: int, replies_fd: int, root: RootState, pending: bytes = b"") -> None:
+    """Answer fork requests read from ``requests_fd`` (``pending``: bytes of it read
+    before) until it closes, or until SIGTERM or SIGHUP comes; report child exits. Then end
+    the children still running and remove the snapshot root ``root`` made. Call it on the
+    main thread (it takes over those two signals).
 
     Replies and events are written to ``replies_fd``. Reads are unbuffered (``os.read``),
     so no request can hide in a buffer while the selector waits.
     """
-    server = _Server(requests_fd, replies_fd, snapshot_root)
+    server = _Server(requests_fd, replies_fd, root)
     for sig in _ENDING_SIGNALS:
         signal.signal(sig, _note_ending)
     signal.set_wakeup_fd(server.wakeup_w)
     try:
-        server.serve()
+        server.serve(pending)
     finally:
         # A second SIGTERM must not cut the clean-up short.
         for sig in _ENDING_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         server.end_children()
         server.close()
-        _remove_snapshot_root(snapshot_root)
+        _remove_snapshot_root(root.owned)
 
 
 def _remove_snapshot_root(path: str | None) -> None:
@@ -555,34 +568,25 @@ def _note_ending(signum: int, frame: Any) -> None:
     _ending.append(signal.Signals(signum).name)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fsdp_interactive.pool.processes._engine_forker",
-        description="Import torch once, then fork engines on request (JSON lines on stdin).",
-    )
-    parser.add_argument(
-        "--snapshot-root",
-        default=None,
-        help="the pool's snapshot root on this host, removed when the forker exits",
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main() -> int:
     # The owner's Ctrl-C is not ours: the forker runs in its own session, but be explicit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in _ENDING_SIGNALS:
         signal.signal(sig, _raise_ending)
+    root = RootState()
     try:
+        setup, pending = read_setup(sys.stdin.fileno())
+        root = prepare_root(setup)
+        if root.refused:
+            print(f"engine forker: {root.refused}", file=sys.stderr, flush=True)
         preload()
-        ready = {"ready": True, "pid": os.getpid(), "host": socket.gethostname()}
+        ready = {"ready": True, "pid": os.getpid(), "host": socket.gethostname(), **root.report()}
         with contextlib.suppress(OSError):
             os.write(sys.stdout.fileno(), (json.dumps(ready) + "\n").encode())
-        serve(sys.stdin.fileno(), sys.stdout.fileno(), args.snapshot_root)
+        serve(sys.stdin.fileno(), sys.stdout.fileno(), root, pending)
     except _Ending as ending:  # before serve() took the signals over: nothing was forked
         print(f"engine forker: ending on {ending} while starting", file=sys.stderr, flush=True)
-        _remove_snapshot_root(args.snapshot_root)
+        _remove_snapshot_root(root.owned)
     return 0
 
 

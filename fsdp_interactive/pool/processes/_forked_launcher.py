@@ -44,6 +44,8 @@ import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
 
+from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
+
 log = logging.getLogger(__name__)
 
 _FORKER_MODULE = "fsdp_interactive.pool.processes._engine_forker"
@@ -59,12 +61,10 @@ class ForkerError(RuntimeError):
     """The forker could not start an engine (or is gone); the message says why."""
 
 
-def forker_command(python: str = sys.executable, snapshot_root: str | None = None) -> list[str]:
-    """The command that runs an engine forker with ``python`` (see :mod:`._engine_forker`)."""
-    command = [python, "-m", _FORKER_MODULE]
-    if snapshot_root:
-        command += ["--snapshot-root", snapshot_root]
-    return command
+def forker_command(python: str = sys.executable) -> list[str]:
+    """The command that runs an engine forker with ``python`` (see :mod:`._engine_forker`);
+    its setup, the pool's snapshot root among it, goes to its stdin, never on it."""
+    return [python, "-m", _FORKER_MODULE]
 
 
 class EngineForker:
@@ -72,9 +72,10 @@ class EngineForker:
 
     ``command`` starts it (default: this Python, on this host; an ``ssh`` command runs it
     on another host, its stdin and stdout then the channel); its stderr is appended to
-    ``log_path``. ``where`` names its host in messages (``None``: this host). ``fork`` is awaited on an asyncio
-    loop; exit events arrive on a reader thread and are handed to the callbacks
-    registered with ``on_exit`` (called on that thread).
+    ``log_path``. ``setup`` is the first line it is sent (the pool's snapshot root on its
+    host: :mod:`._forker_setup`). ``where`` names its host in messages (``None``: this
+    host). ``fork`` is awaited on an asyncio loop; exit events arrive on a reader thread
+    and are handed to the callbacks registered with ``on_exit`` (called on that thread).
     """
 
     def __init__(
@@ -84,10 +85,12 @@ class EngineForker:
         *,
         command: list[str] | None = None,
         where: str | None = None,
+        setup: ForkerSetup | None = None,
     ):
         self.log_path = log_path
         self.where = where
         self.command = list(command) if command else forker_command()
+        self.setup = setup or ForkerSetup()
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 self.command,
@@ -97,6 +100,10 @@ class EngineForker:
                 env=env,
                 start_new_session=True,
             )
+        #: What the forker said of the snapshot root once ready ("created", "adopted" or
+        #: None), and why it refused it (None: it did not).
+        self.root_made: str | None = None
+        self.root_refused: str | None = None
         self.began = time.monotonic()
         #: Set once the forker has imported what it preloads (``ready_s``: seconds it took).
         self.ready = threading.Event()
@@ -116,6 +123,7 @@ class EngineForker:
         self.warm_skipped: dict[str, str] = {}
         self._warm_settled = threading.Condition(self._lock)
         self._gone = False
+        self._send(self.setup.line().decode().rstrip("\n"))
         self._reader = threading.Thread(target=self._read, name="engine-forker-reader", daemon=True)
         self._reader.start()
 
@@ -126,6 +134,11 @@ class EngineForker:
 
     def running(self) -> bool:
         return self._proc.poll() is None and not self._gone
+
+    def exit_status(self) -> int | None:
+        """How the process started here ended, as ``subprocess`` reports it (negative:
+        killed by that signal); ``None`` while it runs."""
+        return self._proc.poll()
 
     async def fork(
         self,
@@ -257,6 +270,8 @@ class EngineForker:
                 continue
             if message.get("ready"):
                 self.remote_pid = message.get("pid")
+                self.root_made = message.get("snapshot_root")
+                self.root_refused = message.get("snapshot_root_error")
                 self.ready_s = time.monotonic() - self.began
                 self.ready.set()
                 continue

@@ -7,17 +7,19 @@ therefore starts this small watchdog, in a session of its own, next to each clus
 owns::
 
     python -m fsdp_interactive.pool.processes._reaper OWNER_PID OWNER_CREATE_TIME PIDS_FILE \
-        [LOG_LEVEL] [--remove DIR]...
+        [LOG_LEVEL]
 
-It polls once a second. While the owner lives it does nothing; when ``PIDS_FILE``
+with ``{"remove": [DIR, ...]}`` on its stdin (the folders to remove: private paths go on
+no command line, which ``ps`` shows every user). It polls once a second. While the owner lives it does nothing; when ``PIDS_FILE``
 disappears (the pool was stopped normally) it exits. When the owner is gone it ends
 every process listed in ``PIDS_FILE`` (a JSON object ``{"pid": create_time}``, rewritten
 atomically by the pool as it starts processes): SIGTERM, then SIGKILL after a grace
 period, and only where pid *and* start time still match, so a reused pid is never hit.
-It never looks processes up by name. Then it removes each ``--remove`` folder, the
+It never looks processes up by name. Then it removes each folder of ``remove``, the
 pool's snapshot root on this host (:mod:`fsdp_interactive.pool.common._snapshot_root`,
-which refuses any other folder), which the engine forker removes too unless it was
-killed, and last ``PIDS_FILE`` and its folder, if that is then empty.
+which refuses any other folder, and leaves one that is not a private folder of this user),
+which the engine forker removes too unless it was killed, and last ``PIDS_FILE`` and its
+folder, if that is then empty.
 
 With ``LOG_LEVEL`` (a :mod:`logging` level name) it logs its decisions on stderr, which
 :func:`start_reaper` sends to a log file, since nobody is left to show them when it acts.
@@ -35,6 +37,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -78,22 +81,36 @@ def start_reaper(
     logs = log_level is not None and log_path is not None
     if logs:
         command.append(logging.getLevelName(log_level))
-    for folder in remove:
-        command += ["--remove", str(folder)]
+    orders = json.dumps({"remove": [str(folder) for folder in remove]}).encode()
     if logs:
         with open(log_path, "ab") as log_file:  # type: ignore[arg-type]
-            return _spawn(command, log_file)
-    return _spawn(command, subprocess.DEVNULL)
+            return _spawn(command, log_file, orders)
+    return _spawn(command, subprocess.DEVNULL, orders)
 
 
-def _spawn(command: list[str], stderr: object) -> subprocess.Popen:
-    return subprocess.Popen(
+def _spawn(command: list[str], stderr: object, orders: bytes) -> subprocess.Popen:
+    reaper = subprocess.Popen(
         command,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=stderr,  # type: ignore[arg-type]
         start_new_session=True,  # a notebook interrupt of the owner's group must not reach it
     )
+    assert reaper.stdin is not None
+    with contextlib.suppress(OSError), reaper.stdin:
+        reaper.stdin.write(orders)
+    return reaper
+
+
+def read_orders(stream: Any) -> list[str]:
+    """The folders to remove, from the JSON object on ``stream`` (the reaper's stdin; an
+    empty or unreadable one: none)."""
+    with contextlib.suppress(OSError, ValueError):
+        orders = json.loads(stream.read() or "{}")
+        folders = orders.get("remove") if isinstance(orders, dict) else None
+        if isinstance(folders, list):
+            return [folder for folder in folders if isinstance(folder, str)]
+    return []
 
 
 def _read_pid_file(path: Path) -> dict[int, float]:
@@ -130,19 +147,15 @@ def watch(owner_pid: int, owner_created: float, pid_file: Path, remove: Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    remove = []
-    while "--remove" in args:
-        at = args.index("--remove")
-        remove += args[at + 1 : at + 2]
-        del args[at : at + 2]
     if len(args) not in (3, 4):
         print(
             "usage: python -m fsdp_interactive.pool.processes._reaper "
-            "OWNER_PID OWNER_CREATE_TIME PIDS_FILE [LOG_LEVEL] [--remove DIR]...",
+            'OWNER_PID OWNER_CREATE_TIME PIDS_FILE [LOG_LEVEL]  (stdin: {"remove": [DIR]})',
             file=sys.stderr,
         )
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    remove = read_orders(sys.stdin)
     if len(args) == 4:
         logging.basicConfig(
             level=args[3], format="%(asctime)s reaper %(levelname)s %(name)s: %(message)s"

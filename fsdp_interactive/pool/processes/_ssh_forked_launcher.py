@@ -24,7 +24,8 @@ Contract, as for the pool's local forked engines (:mod:`._forked_launcher`):
   its output file on the host is then removed; ``signal``, ``stop`` and ``join`` act on
   the engine through the forker;
 * stopping the set stops its engines; the forkers are ended by whoever started them
-  (closing one ends what it forked and removes its host's snapshot root).
+  (closing one ends what it forked and removes its host's snapshot root, which it created
+  as it started).
 
 Not done: hosts without ``os.pidfd_open`` (Linux 5.3+, Python 3.9+), password prompts
 (ssh runs with ``BatchMode=yes``), a forker per host for SLURM or MPI (their launchers
@@ -81,9 +82,10 @@ class SSHHost:
     ssh: tuple[str, ...]
     profile_dir: str
 
-    def forker_command(self, snapshot_root: str | None) -> list[str]:
-        """The local command that runs this host's engine forker over ssh."""
-        remote = shlex.join(forker_command(self.python, snapshot_root))
+    def forker_command(self) -> list[str]:
+        """The local command that runs this host's engine forker over ssh (its setup, the
+        pool's snapshot root among it, goes over the ssh channel, never on a command line)."""
+        remote = shlex.join(forker_command(self.python))
         return [
             *self.ssh,
             *(["-p", self.port] if self.port else []),

@@ -11,16 +11,22 @@ Start-up, in order:
    ``fsdp_interactive.*`` records go to its stderr, which reaches the notebook.
 1. :func:`describe_engine` on every engine: host, address, pid (and, when the kernel
    cannot tell, the CUDA devices the engine sees, counted without initialising CUDA).
-2. :func:`open_store` on the engine chosen as rank 0: a ``TCPStore`` server on a free
-   port (the port is picked by binding port 0, so no other process can take it in
-   between); in local mode it listens on loopback only.
+2. :func:`open_store` on the engine chosen as rank 0: with every rank on one host, a
+   ``FileStore`` in the pool's private snapshot root (mode 0700: no other local user can
+   read or change it, where a ``TCPStore`` on loopback would accept any local user);
+   with ranks on several hosts, a ``TCPStore`` server on a free port of rank 0's address
+   (picked by binding port 0, so no other process can take it in between), which other
+   hosts must reach: torch's store authenticates nothing, so that network must be trusted
+   (docs/security.md).
 3. :func:`join_group` on all ranks concurrently: torchrun's environment variables,
    ``CUDA_VISIBLE_DEVICES`` narrowed to the devices of the host's ranks (so that a rank's
    local rank is the index of its device, as under torchrun) and device pinning (both
    before any other CUDA use), the flight recorder's buffer size and
    the collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` when asked for), both of
    which torch reads when the group is created, then ``init_process_group`` on the
-   shared store and a readiness handshake through the store (every rank counts itself
+   shared store (the pool's snapshot root, named in the environment given, is made
+   first where no engine forker made it: a private folder, refused when it is not one)
+   and a readiness handshake through the store (every rank counts itself
    in and waits for the full count; no sleeps), checked by one ``all_reduce``, which
    also tells whether the flight recorder records this backend. The process takes a
    title (``fsdp-interactive rank 1/4, pool <id>``) so that ``ps`` shows what it is.
@@ -34,6 +40,7 @@ recovering a broken group (the pool restarts the engines instead).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -45,7 +52,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from fsdp_interactive.pool.common import _hosts, _logs, _topology
+from fsdp_interactive import _private_files
+from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root, _topology
 from fsdp_interactive.pool.common._cuda_count import probe_count
 from fsdp_interactive.pool.common._process_title import set_title
 from fsdp_interactive.pool.rank import _torch_recorder
@@ -55,6 +63,11 @@ log = logging.getLogger(__name__)
 #: The variables that name the interface gloo's and NCCL's sockets bind (torch reads them
 #: when the group is created).
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+#: The environment variable naming the pool's snapshot root (also where a single-host
+#: group's rendezvous file lives), and the name every rendezvous file there starts with.
+SNAPSHOT_ROOT_ENV = _snapshot_root.ENV_VAR
+STORE_FILE_PREFIX = ".rendezvous-"
 
 _READY_KEY = "fsdp_interactive/ready"
 _ALL_READY_KEY = "fsdp_interactive/all_ready"
@@ -127,16 +140,32 @@ def cuda_device_count() -> int:
     return probe_count() if count is None else count
 
 
-def open_store(bind_address: str, world_size: int, timeout_s: float) -> int:
-    """Start the rendezvous ``TCPStore`` server on this engine; return its port.
+def open_store(
+    bind_address: str, world_size: int, timeout_s: float, store_file: str | None = None
+) -> int:
+    """Start the rendezvous store on this engine; return the ``TCPStore``'s port (0 for a
+    file store).
 
-    ``bind_address`` is the only address the server listens on (``"127.0.0.1"`` for a
-    single-host pool, rank 0's cluster address when ranks live on other hosts; ``""``
-    would be every interface).
+    ``store_file``: a ``FileStore`` at that path, whose folder (the pool's snapshot root)
+    is made a private folder first, or refused when it is not one; other rendezvous files
+    of earlier groups in it are removed. Otherwise a ``TCPStore`` server:
+    ``bind_address`` is the only address it listens on (rank 0's cluster address when
+    ranks live on other hosts; ``""`` would be every interface).
     """
-    from torch.distributed import TCPStore
+    from torch.distributed import FileStore, TCPStore
 
     close_store()
+    if store_file is not None:
+        folder = os.path.dirname(store_file)
+        _private_files.make_private_folder(folder, exist_ok=True)
+        for name in os.listdir(folder):
+            if name.startswith(STORE_FILE_PREFIX) and name != os.path.basename(store_file):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+        _STATE.store = FileStore(store_file, world_size)
+        _STATE.store.set_timeout(timedelta(seconds=timeout_s))
+        log.debug("rendezvous store in the file %s", store_file)
+        return 0
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((bind_address, 0))
     listener.listen(max(64, 2 * world_size))
@@ -168,7 +197,9 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
 
     ``spec`` keys: rank, world_size, local_rank, local_world_size, master_addr,
     master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s, env (extra
-    environment variables, e.g. socket interface names); optional: cuda_devices (the
+    environment variables, e.g. socket interface names, the pool's snapshot root);
+    optional: store_file (the rendezvous ``FileStore`` rank 0 opened; ``MASTER_PORT`` is
+    then not set: nothing listens), cuda_devices (the
     CUDA devices of this host's ranks in local-rank order, as this engine sees them:
     ``CUDA_VISIBLE_DEVICES`` is narrowed to them first, see
     :func:`narrow_visible_devices`), flight_recorder
@@ -188,14 +219,21 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     rank = int(spec["rank"])
     world_size = int(spec["world_size"])
     os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    store_file = spec.get("store_file")
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(spec["local_rank"]),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(spec["local_world_size"]),
         MASTER_ADDR=str(spec["master_addr"]),
-        MASTER_PORT=str(spec["master_port"]),
     )
+    if store_file is None:
+        os.environ["MASTER_PORT"] = str(spec["master_port"])
+    else:
+        os.environ.pop("MASTER_PORT", None)
+    root = os.environ.get(SNAPSHOT_ROOT_ENV)
+    if root:  # made by this host's engine forker, else here (SLURM, MPI, connected engines)
+        _private_files.make_private_folder(root, exist_ok=True)
     device = torch.device(spec["device"])
     visible_devices = None
     if device.type == "cuda" and spec.get("cuda_devices") is not None:
@@ -239,6 +277,9 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         store = _STATE.store
         if store is None:
             raise RuntimeError("rank 0 has no rendezvous store: open_store() must run first")
+    elif store_file is not None:
+        store = dist.FileStore(str(store_file), world_size)
+        store.set_timeout(timeout)
     else:
         store = dist.TCPStore(
             str(spec["master_addr"]),
@@ -400,5 +441,6 @@ def rank_context() -> tuple[int, int, int, str]:
 
 
 def rendezvous_store() -> Any:
-    """The group's rendezvous ``TCPStore`` (server on rank 0, client elsewhere), or None."""
+    """The group's rendezvous store (a ``FileStore`` on one host; a ``TCPStore`` across
+    hosts: server on rank 0, client elsewhere), or None."""
     return _STATE.store

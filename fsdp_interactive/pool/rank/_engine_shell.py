@@ -101,10 +101,15 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def user_namespace() -> dict[str, Any]:
+    """This engine's user namespace: what the code of its cells sees as ``globals()``."""
+    return _shell().user_global_ns
+
+
 def pull(name: str) -> Any:
     """The value of ``name`` in this engine's namespace, with every tensor on the CPU
     (:func:`._results.pull_from`): what ``Pool.pull`` runs on each rank."""
-    return _results.pull_from(_shell().user_global_ns, name)
+    return _results.pull_from(user_namespace(), name)
 
 
 def mark_call(
