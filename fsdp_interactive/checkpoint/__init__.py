@@ -11,6 +11,11 @@ returns plain dataclasses a notebook panel can display.
 * :func:`load` (-> :class:`LoadReport`): all-or-nothing, any world size (resharding,
   per-rank Stateful states included), strict or reporting key checks, checksums, no
   arbitrary unpickling.
+* Any wrapping torch's state-dict helpers know (``fully_shard``, this package's
+  wrapper, torch FSDP1 flat or with original parameters, DDP, ``torch.compile``,
+  activation checkpointing) and Lightning Fabric's module: values are keyed by clean
+  FQNs, so a checkpoint of one wrapping loads into another of the same architecture;
+  what torch cannot checkpoint raises :class:`UnsupportedModelError`.
 * :func:`list_checkpoints` / :func:`latest_checkpoint` (plain file reads, any process).
 * :func:`to_full` / :func:`from_full` (one process, no process group): convert between
   a checkpoint and a plain state-dict file (safetensors or ``torch.save``).
@@ -56,6 +61,7 @@ from fsdp_interactive.checkpoint.errors import (
     SnapshotError,
     SnapshotObjectsError,
     SnapshotSpaceError,
+    UnsupportedModelError,
 )
 
 __all__ = [
@@ -80,6 +86,7 @@ __all__ = [
     "SnapshotSpaceError",
     "Stateful",
     "StepCounter",
+    "UnsupportedModelError",
     "async_save",
     "drop_snapshots",
     "from_full",

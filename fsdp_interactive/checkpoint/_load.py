@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive._torch_compat import set_element
-from fsdp_interactive.checkpoint import _manifest, _stateful
+from fsdp_interactive._torch_compat import ShardedTensor, set_element
+from fsdp_interactive.checkpoint import _manifest, _state, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT
 from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
 from fsdp_interactive.checkpoint._safe_reader import (
@@ -51,7 +51,6 @@ from fsdp_interactive.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from fsdp_interactive.fsdp import _fqn_state
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +115,8 @@ def verify_files(
 
 
 def _model_targets(
-    model: nn.Module, metadata: Metadata, strict: bool, owned: set[int] | None = None
+    current: dict[str, Any], metadata: Metadata, strict: bool, owned: set[int] | None = None
 ) -> tuple[dict[str, Any], list[str], list[str]]:
-    current = _fqn_state.model_state(model)
     saved = {
         path[1]: metadata.state_dict_metadata[key]
         for key, path in section_paths(metadata, "model").items()
@@ -169,27 +167,26 @@ def _model_targets(
 
 
 def _optim_targets(
-    model: nn.Module, metadata: Metadata, strict: bool
+    model: nn.Module, current: dict[str, Any], metadata: Metadata, strict: bool
 ) -> tuple[dict[str, Any], list[str]]:
-    """Buffers for the saved optimizer state, sharded like the matching parameters."""
-    params = {}
-    names = _fqn_state.param_fqns(model)
-    for raw, param in nn.Module.named_parameters(model, remove_duplicate=False):
-        params[names[raw]] = param
+    """Buffers for the saved optimizer state: a state tensor shaped like its parameter is
+    sharded like the parameter's value in the model state ``current`` (a DTensor or a
+    torch FSDP1 ``ShardedTensor``), any other one is read whole."""
+    params = {name for names in _state.param_names(model).values() for name in names}
     target: dict[str, Any] = {}
     unexpected = set()
     for key, path in section_paths(metadata, "optim").items():
         entry = metadata.state_dict_metadata[key]
         value = None
         if len(path) >= 3 and path[1] == "state":
-            param = params.get(path[2])
-            if param is None:
+            if path[2] not in params:
                 unexpected.add(path[2])
                 continue
             if isinstance(entry, TensorStorageMetadata):
                 dtype = entry.properties.dtype
-                if isinstance(param, DTensor) and tuple(entry.size) == tuple(param.shape):
-                    value = torch.empty_like(param, dtype=dtype)
+                like = current.get(path[2])
+                if _sharded(like) and tuple(entry.size) == tuple(like.shape):
+                    value = torch.empty_like(like, dtype=dtype)
                 else:
                     value = torch.empty(tuple(entry.size), dtype=dtype)
         set_element(target, path[1:], value)
@@ -204,10 +201,14 @@ def _optim_targets(
     return target, sorted(f"optim:{u}" for u in unexpected)
 
 
+def _sharded(value: Any) -> bool:
+    return isinstance(value, (DTensor, ShardedTensor))
+
+
 def _check_param_groups(
     model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]
 ) -> None:
-    expected = _fqn_state.optimizer_param_groups(model, optimizer)
+    expected = _state.optimizer_param_groups(model, optimizer)
     got = [list(g.get("params", [])) for g in loaded.get("param_groups", [])]
     if [sorted(g) for g in got] != [sorted(g) for g in expected]:
         raise IncompatibleCheckpointError(
@@ -259,7 +260,8 @@ def _targets(
     in_place: bool = False,
 ) -> _Targets:
     owned = owned_storages(model) if in_place else None
-    model_target, missing, unexpected = _model_targets(model, metadata, strict, owned)
+    current = _state.model_state(model)
+    model_target, missing, unexpected = _model_targets(current, metadata, strict, owned)
     state: dict[str, Any] = {"model": model_target}
     if optimizer is not None:
         if not manifest.has_optimizer:
@@ -271,7 +273,7 @@ def _targets(
                 )
             missing = [*missing, "optim"]
         else:
-            state["optim"], optim_unexpected = _optim_targets(model, metadata, strict)
+            state["optim"], optim_unexpected = _optim_targets(model, current, metadata, strict)
             unexpected = [*unexpected, *optim_unexpected]
     stateful_target, stateful_missing = _stateful.load_targets(
         objects,
@@ -397,11 +399,11 @@ def load(
     ranks.agree(error)
 
     if buffers or not in_place:
-        _fqn_state.apply_model_state(model, buffers, strict=False)
+        _state.apply_model_state(model, buffers)
     if in_place:  # collective: every rank reads, also one with nothing to read in place
         _read({"model": {k: model_state[k] for k in targets.live}}, folder, ranks)
     if "optim" in targets.state:
-        _fqn_state.apply_optimizer_state(model, optimizer, targets.state["optim"])
+        _state.apply_optimizer_state(model, optimizer, targets.state["optim"])
     return LoadReport(
         path=str(folder),
         step=manifest.step,

@@ -46,8 +46,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive._torch_compat import local_tensor
-from fsdp_interactive.checkpoint import _layout, _manifest, _stateful
+from fsdp_interactive._torch_compat import ShardedTensor, local_tensor
+from fsdp_interactive.checkpoint import _layout, _manifest, _state, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT, SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
@@ -100,6 +100,16 @@ class Contents:
     stateful: dict[str, str] = field(default_factory=dict)
 
 
+def local_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors this rank stores of a state-dict value: a DTensor's local shard, a
+    ``ShardedTensor``'s local shards (torch FSDP1's sharded state), else the tensor."""
+    if isinstance(tensor, DTensor):
+        return [local_tensor(tensor)]
+    if isinstance(tensor, ShardedTensor):
+        return [shard.tensor for shard in tensor.local_shards()]
+    return [tensor]
+
+
 @dataclass(frozen=True)
 class Capture:
     """The state one rank hands to DCP (keyed "model", "optim", "stateful", ...)."""
@@ -113,8 +123,8 @@ class Capture:
 
         def add(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
-            local = t.to_local() if isinstance(t, DTensor) else t
-            total += local.numel() * local.element_size()
+            for local in local_pieces(t):
+                total += local.numel() * local.element_size()
             return t
 
         _fqn_state.map_tensors(self.state, add)
@@ -148,9 +158,9 @@ def capture(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
-    state: dict[str, Any] = {"model": _fqn_state.model_state(model)}
+    state: dict[str, Any] = {"model": _state.model_state(model)}
     if optimizer is not None:
-        state["optim"] = _fqn_state.optimizer_state(model, optimizer)
+        state["optim"] = _state.optimizer_state(model, optimizer)
     sections, kinds = _stateful.capture(stateful, ranks)
     state.update(sections)
     captured = Capture(state, Contents(has_optimizer=optimizer is not None, stateful=kinds))
@@ -311,7 +321,7 @@ def holds_cuda_tensors(state: Any) -> bool:
 
     def look(t: torch.Tensor) -> torch.Tensor:
         nonlocal found
-        found = found or local_tensor(t).device.type == "cuda"
+        found = found or any(piece.device.type == "cuda" for piece in local_pieces(t))
         return t
 
     _fqn_state.map_tensors(state, look)

@@ -18,6 +18,11 @@ class CheckpointPathError(CheckpointError, ValueError):
     """The path given to save/load/list is unusable (a file, not writable, missing, taken)."""
 
 
+class UnsupportedModelError(CheckpointError, TypeError):
+    """The model is wrapped in a way whose sharded state torch cannot checkpoint; the
+    message names the wrapping and how to build one that it can. Nothing was written."""
+
+
 class CheckpointBusyError(CheckpointError):
     """A save was requested while another save of this process is still running."""
 

@@ -80,7 +80,10 @@ def mpi_env(testhosts: HostSet) -> Iterator[dict[str, str]]:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        unavailable("mpi4py is not installed (pip install mpi4py); MPI engines need it")
+        unavailable(
+            "mpi4py is not installed (pip install -e '.[mpi]', where Open MPI is); "
+            "MPI engines need it"
+        )
     with environ_set(testhosts.mpi_env):
         yield testhosts.mpi_env
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint import _manifest, _state
 from fsdp_interactive.checkpoint._load import check_folder, load
 from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT
@@ -25,7 +25,6 @@ from fsdp_interactive.checkpoint._snapshot._record import RestoreReport, Snapsho
 from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, id_number, read_folder_record
 from fsdp_interactive.checkpoint._snapshot._take import RNG_KEY
 from fsdp_interactive.checkpoint.errors import IncompatibleCheckpointError
-from fsdp_interactive.fsdp import _fqn_state
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ def _find(snapshot_id: str | os.PathLike | None, ranks: Ranks) -> _Source:
 
 
 def _check_keys(source: _Source, model: nn.Module) -> None:
-    current = set(_fqn_state.model_state(model))
+    current = set(_state.model_state(model))
     saved = set(source.keys or ())
     missing, unexpected = sorted(current - saved), sorted(saved - current)
     if not (missing or unexpected):

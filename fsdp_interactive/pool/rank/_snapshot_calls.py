@@ -81,7 +81,7 @@ def check_folder_source(folder: str) -> str | None:
     from fsdp_interactive.checkpoint import CheckpointError
     from fsdp_interactive.checkpoint._load import check_folder
     from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, read_folder_record
-    from fsdp_interactive.fsdp._fqn_state import model_state
+    from fsdp_interactive.checkpoint._state import model_state
     from fsdp_interactive.pool.rank._engine_shell import user_namespace
 
     path = Path(folder)
@@ -99,7 +99,10 @@ def check_folder_source(folder: str) -> str | None:
     model = user_namespace().get(str(record.names.get("model") or ""))
     if not isinstance(model, nn.Module):
         return None
-    live, saved = set(model_state(model)), set(record.keys)
+    try:  # clean names, as the record keeps them, also of a model inside its wrappers
+        live, saved = set(model_state(model)), set(record.keys)
+    except CheckpointError as error:
+        return f"{folder} cannot be recovered to: {error}"
     if live == saved:
         return None
     return key_mismatch(folder, sorted(live - saved), sorted(saved - live))

@@ -1,0 +1,66 @@
+"""What the framework tests ask the ranks about a model (module-level: a pool cell imports
+it), as plain data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+#: A pool expression: :func:`kit_views` of the model named by ``{model}`` on one batch per
+#: rank of the recipes' data, beside the clean names of the recipes' Llama.
+KIT_VIEWS = (
+    "(kit_views({model}, torch.stack([data[i]['input_ids'] for i in range(8 * rank, 8 * rank + 8)])),"
+    " sorted(LlamaForCausalLM(config).state_dict()))"
+)
+
+
+def sharding(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """The model's class, how its parameters are held (``DTensor`` with which placements,
+    or plain: torch FSDP1's views of this rank's flat shard), how many elements this rank
+    holds, and whether ``optimizer`` holds exactly the model's parameters."""
+    params = list(model.parameters())
+    out = {
+        "class": type(model).__name__,
+        "placements": sorted(
+            {str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for p in params}
+        ),
+        "local": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+    }
+    if optimizer is not None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        out["optimizer_holds_the_model"] = held == {id(p) for p in params}
+    return out
+
+
+def logged(trainer: Any) -> list[tuple[float, float]]:
+    """The losses and gradient norms (before clipping) the Trainer logged, in order."""
+    return [
+        (float(entry["loss"]), float(entry["grad_norm"]))
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    ]
+
+
+def kit_views(model: nn.Module, batch: torch.Tensor) -> dict[str, Any]:
+    """What the kit's probes show of ``model`` as the framework wrapped it: the names its
+    layout lists, and the total gradient norm of one backward on ``batch`` beside the one
+    the framework's own ``clip_grad_norm_`` computes (with no limit, so nothing is clipped).
+    The gradients are zeroed again afterwards."""
+    from fsdp_interactive import inspect
+
+    names = sorted(p.fqn for p in inspect.layout(model).params)
+    model.zero_grad()
+    model(input_ids=batch, labels=batch).loss.backward()
+    probed = inspect.grad_norms(model).total
+    if hasattr(model, "clip_grad_norm_"):  # torch FSDP1's own, over its flat shards
+        own = model.clip_grad_norm_(float("inf"))
+    else:
+        own = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    if isinstance(own, DTensor):
+        own = own.full_tensor()
+    model.zero_grad()
+    assert probed > 0, "the backward left no gradient to measure"
+    return {"names": names, "grad_norm": float(probed), "framework_grad_norm": float(own)}
