@@ -6,12 +6,14 @@ GPT-2 small built from its config (``GPT2Config()``: 124M parameters), wrapped p
 step at the saved state (one sequence of 32 tokens per rank). Contenders, alternated round
 by round (the order rotated), each on fresh processes (starting them is not timed):
 
-* ``Pool.recover()`` (ours): a ``Pool(N)`` runs the setup cell (build, AdamW; journaled),
-  a training cell marked not to be replayed (``%%fsdp --no-replay``: one step), then a
-  cell that takes ``fsdp_interactive.snapshot(model=, optimizer=)``;
+* ``Pool.recover()`` (ours): a ``Pool(N)`` runs the cells of a user's notebook, none
+  marked for the recovery: the build cell (GPT-2, AdamW, the training step as a function),
+  a training cell (one step), a disk checkpoint (``checkpoint.save(root + "/step-1", ...)``),
+  its load, then a cell that takes ``fsdp_interactive.snapshot(model=, optimizer=)``;
   rank 1 (its pid from ``pool.topology``) is killed; the next ``pool.run`` of a training
   step raises ``RankDied`` (detection is timed), then ``pool.recover()`` (a fresh group, the
-  setup cell replayed, the snapshot restored from host memory) and one training step;
+  slice replayed: the build cell alone, its parameter initialization skipped; the snapshot
+  restored from host memory) and one training step;
 * torchrun ``--max-restarts 1`` (the reference): ``bench/scripts/recovery_rank.py`` builds
   the model, takes one step, saves a disk checkpoint with ``fsdp_interactive.checkpoint.save``
   and rank 1 kills itself (printing the time); the launcher restarts every worker, which
@@ -24,12 +26,14 @@ by round (the order rotated), each on fresh processes (starting them is not time
 Every contender rebuilds the model and loads without running the step that preceded the
 save again, so the three do the same work after the kill.
 
-Also reported: the time from the kill to the state restored (before the first step,
-which is the same work for all three), the bytes one snapshot holds per host (the snapshot record's
-``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate with a background
-snapshot every 10 steps against none (a loop of 20 steps with snapshots after steps 5 and
-15, so that every background write overlaps later steps; the last write is awaited inside
-the timing). Target: ours <= 0.5x torchrun's time.
+Also reported: the time from the kill to a trained step, the cells ours replayed and its
+replay phase against the build cell's own time when it first ran (target <= 1x), the
+parameter initializations the replay skipped, the bytes one snapshot holds per host (the
+snapshot record's ``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate
+with a background snapshot every 10 steps against none (a loop of 20 steps with snapshots
+after steps 5 and 15, so that every background write overlaps later steps; the last write
+is awaited inside the timing). Target: ours <= 0.5x torchrun's time from the kill to the
+state restored. Each round records the host's load average before it.
 
     .venv/bin/python -m bench.recovery [--ranks 2 [4]] [--samples 3] [--cost-steps 20]
                                        [--json FILE] [--tiny]
@@ -64,6 +68,10 @@ OURS = "Pool.recover() from a snapshot (ours)"
 TORCHRUN = "torchrun --max-restarts 1 from a disk checkpoint"
 RESTART = "Pool.restart() + setup cell + checkpoint.load by hand"
 TARGET = Target("<=", 0.5)
+#: The replay phase against the build cell's first run.
+REPLAY = "ours: the replay phase (the build cell, initialization skipped)"
+BUILD = "the build cell when it first ran"
+REPLAY_TARGET = Target("<=", 1.0)
 #: A GPT-2 small enough for a smoke test (``--tiny``): the same code paths in seconds.
 TINY_CONFIG: dict[str, int] = {
     "n_layer": 2,
@@ -76,6 +84,7 @@ TINY_CONFIG: dict[str, int] = {
 _SETUP = """
 import torch
 import fsdp_interactive
+from fsdp_interactive import checkpoint
 from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
 from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -91,6 +100,20 @@ def train_step(step):
     model(tokens, labels=tokens).loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
+
+def probed_step(step):
+    # train_step(step), and what it cost this process: wall and CPU seconds, minor page
+    # faults, and the times it was taken off a core (involuntary context switches).
+    import resource, time
+    wall, cpu, before = time.perf_counter(), time.process_time(), resource.getrusage(0)
+    train_step(step)
+    after = resource.getrusage(0)
+    return dict(
+        wall=time.perf_counter() - wall,
+        cpu=time.process_time() - cpu,
+        page_faults=after.ru_minflt - before.ru_minflt,
+        preempted=after.ru_nivcsw - before.ru_nivcsw,
+    )
 
 def timed_steps(first, count, every):
     import time
@@ -109,12 +132,27 @@ def timed_steps(first, count, every):
     return time.perf_counter() - began
 """
 _SNAPSHOT = "fsdp_interactive.snapshot(model=model, optimizer=optim, step=1)"
+#: The disk checkpoint of the user's notebook (ours): saved, then loaded, before the snapshot.
+_ROOT = "root = {folder!r}\n"
+_SAVE_AT_ROOT = 'checkpoint.save(root + "/step-1", model, optim, step=1)'
+_LOAD_AT_ROOT = 'checkpoint.load(root + "/step-1", model, optim)'
+
 _SAVE = "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.save({path!r}, model, optim, step=1)"
 _LOAD = (
     "import fsdp_interactive.checkpoint\nfsdp_interactive.checkpoint.load({path!r}, model, optim)"
 )
 _FIRST_STEP = "train_step(0)"
 _STEP = "train_step(1)"
+#: The first step after the state is back, probed on every rank (``probed_step``).
+_PROBED_STEP = "first_step_cost = probed_step(1)"
+
+
+def _first_step_cost(pool: Any) -> dict[str, float]:
+    """What the probed first step cost: the slowest rank's wall and CPU seconds, page
+    faults and preemptions (``step_wall``, ``step_cpu``, ``step_page_faults``,
+    ``step_preempted``)."""
+    costs = pool.pull("first_step_cost")
+    return {f"step_{key}": float(max(c[key] for c in costs)) for key in costs[0]}
 
 
 def setup_cell(config: Mapping[str, int]) -> str:
@@ -148,34 +186,43 @@ def _detect(pool: Any, cell: int) -> None:
     raise RuntimeError("a training step ran although rank 1 was killed: no RankDied")
 
 
-def ours_sample(world: int, config: Mapping[str, int]) -> dict[str, float]:
+def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str, float]:
     """One recovery with ``Pool.recover()``: seconds from the kill, in phases.
 
     Keys: ``total``, ``detect`` (to ``RankDied``), the recovery's own phases (``end``,
     ``start``, ``find``, ``replay``, ``restore``), ``step`` (the first step after it),
-    ``bytes_per_host`` (the largest host's bytes of the snapshot).
+    ``build`` (the build cell's own time when it first ran), ``skipped_inits`` (rank 0's
+    parameter initializations the replay skipped), ``bytes_per_host`` (the largest host's
+    bytes of the snapshot). Raises unless the recovery replayed the build cell alone.
     """
     pool = _pool(world)
     try:
         pool.start()
-        pool.run(setup_cell(config), cell=1, stream=False)
-        # The training cell is marked not to be replayed (%%fsdp --no-replay), as
-        # docs/recovery.md advises: the snapshot, not the replay, brings its state back.
-        pool.run(_FIRST_STEP, cell=2, stream=False, replay=False)
-        pool.run(_SNAPSHOT, cell=3, stream=False, replay=False)
+        # The notebook of a user who marks nothing for the recovery.
+        pool.run(setup_cell(config) + _ROOT.format(folder=folder), cell=1, stream=False)
+        pool.run(_FIRST_STEP, cell=2, stream=False)
+        pool.run(_SAVE_AT_ROOT, cell=3, stream=False)
+        pool.run(_LOAD_AT_ROOT, cell=4, stream=False)
+        pool.run(_SNAPSHOT, cell=5, stream=False)
+        build = pool.journal.entries[0]
         held = pool.snapshots()[-1].bytes_per_host
         began = _kill_rank_1(pool)
-        _detect(pool, cell=4)
+        _detect(pool, cell=6)
         detected = time.perf_counter()
         # recover() prints its progress and report; the phases are kept from the report.
         with contextlib.redirect_stdout(io.StringIO()):
             report = pool.recover()
         recovered = time.perf_counter()
-        pool.run(_STEP, cell=5, stream=False, replay=False)
+        pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
+        step_cost = _first_step_cost(pool)
     finally:
         pool.stop()
+    replayed = [entry.label for entry in report.replayed]
+    if replayed != [build.label]:
+        raise RuntimeError(f"the recovery replayed {replayed}, not the build cell alone")
     phases = {name: float(seconds) for name, seconds in report.phases.items()}
+    outcome = report.replay_outcome
     return {
         "total": done - began,
         "ready": recovered - began,
@@ -183,6 +230,9 @@ def ours_sample(world: int, config: Mapping[str, int]) -> dict[str, float]:
         **phases,
         "recover": recovered - detected,
         "step": done - recovered,
+        **step_cost,
+        "build": float(build.seconds or 0.0),
+        "skipped_inits": float(outcome.skipped_inits if outcome else 0),
         "bytes_per_host": float(max(held.values())),
     }
 
@@ -207,8 +257,9 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         rebuilt = time.perf_counter()
         pool.run(_LOAD.format(path=path), cell=6, stream=False)
         loaded = time.perf_counter()
-        pool.run(_STEP, cell=7, stream=False, replay=False)
+        pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
+        step_cost = _first_step_cost(pool)
     finally:
         pool.stop()
     return {
@@ -219,6 +270,7 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         "setup": rebuilt - restarted,
         "load": loaded - rebuilt,
         "step": done - loaded,
+        **step_cost,
     }
 
 
@@ -303,19 +355,22 @@ def measure(
     result.notes.append(
         f"{model} + AdamW; {samples} sample(s) per contender and world size, the three "
         "rotated round by round, no warm-up round; each sample on fresh processes "
-        "(their start untimed). CPU ranks, gloo, one intra-op thread per rank."
+        "(their start untimed). CPU ranks, gloo; intra-op threads: the pool's ranks share "
+        "the host's cores (cores // ranks, at least 1), torchrun's have OMP_NUM_THREADS=1."
     )
     for world in worlds:
         case = f"{world} ranks"
         totals: dict[str, list[float]] = {OURS: [], TORCHRUN: [], RESTART: []}
         readies: dict[str, list[float]] = {name: [] for name in totals}
         parts: dict[str, list[float]] = {}
+        loads: list[float] = []
         for index in range(samples):
+            loads.append(os.getloadavg()[0])
             for name in rotated(list(totals), index):
                 folder = tempfile.mkdtemp(prefix="fsdpi-bench-recovery-")
                 try:
                     if name == OURS:
-                        sample = ours_sample(world, config)
+                        sample = ours_sample(world, config, folder)
                     elif name == TORCHRUN:
                         sample = torchrun_sample(world, config, folder)
                     else:
@@ -327,38 +382,47 @@ def measure(
                 label = "ours" if name == OURS else "by hand" if name == RESTART else ""
                 for part, value in sample.items():
                     parts.setdefault(f"{case}: {label}: {part}", []).append(value)
-                log(f"{case}, round {index + 1}: {name}: {totals[name][-1]:.2f} s")
+                log(
+                    f"{case}, round {index + 1} (load {loads[-1]:.2f}): {name}: "
+                    f"{totals[name][-1]:.2f} s"
+                )
+        result.measurements[f"{case}: load average (1 min) before each round"] = Stat(loads, "")
         stats = {name: Stat(values, "s") for name, values in totals.items()}
         ready = {name: Stat(values, "s") for name, values in readies.items()}
         for name, stat in stats.items():
             result.measurements[f"{case}: kill to a trained step, {name}"] = stat
             result.measurements[f"{case}: kill to the state restored, {name}"] = ready[name]
         for part, values in parts.items():
-            unit = "B" if part.endswith("bytes_per_host") else "s"
+            unit = (
+                "B"
+                if part.endswith("bytes_per_host")
+                else ""
+                if "inits" in part or "faults" in part or "preempted" in part
+                else "s"
+            )
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
             result.measurements[name] = Stat(values, unit)
         # The last row leaves out the first step after the restore, which is the same
         # work for all three and, on CPU ranks, as long as the rest together.
-        restored = f"{case}, to the state restored (before the first step)"
+        restored = f"{case}, kill to the state restored (before the first step)"
+        trained = f"{case}, kill to a trained step"
+        build = {
+            REPLAY: Stat(parts[f"{case}: ours: replay"], "s"),
+            BUILD: Stat(parts[f"{case}: ours: build"], "s"),
+        }
         for row_case, times, subject, reference, target, note in (
-            (case, stats, OURS, TORCHRUN, TARGET, ""),
+            (restored, ready, OURS, TORCHRUN, TARGET, ""),
+            (trained, stats, OURS, TORCHRUN, None, "no target: the first step included"),
             (
-                case,
+                trained,
                 stats,
                 RESTART,
                 TORCHRUN,
                 None,
                 "no target: what a user does today, beside torchrun",
             ),
-            (case, stats, OURS, RESTART, None, "no target: ours beside the manual restart"),
-            (
-                restored,
-                ready,
-                OURS,
-                TORCHRUN,
-                None,
-                "no target: kill to the state restored, the first step left out",
-            ),
+            (trained, stats, OURS, RESTART, None, "no target: ours beside the manual restart"),
+            (f"{case}, the build cell", build, REPLAY, BUILD, REPLAY_TARGET, ""),
         ):
             result.comparisons.append(
                 Comparison(
@@ -462,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             # the noise (unresolved when the ratio's interval straddles the target).
             at_median = "met" if c.ratio is not None and c.target.met(c.ratio) else "missed"
             print(
-                f"\n{c.case}: ours / torchrun = {c.ratio:.3f} (target {c.target}): "
-                f"{at_median} at the median; by the 95% interval: {verdict(c)}"
+                f"\n{c.case}: {c.subject_name} / {c.reference_name} = {c.ratio:.3f} "
+                f"(target {c.target}): {at_median} at the median; by the 95% interval: "
+                f"{verdict(c)}"
             )
     if args.json:
         args.json.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

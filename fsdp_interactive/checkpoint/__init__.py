@@ -59,6 +59,7 @@ from fsdp_interactive.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     SnapshotError,
+    SnapshotObjectsError,
     SnapshotSpaceError,
     UnsupportedModelError,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "SaveResult",
     "SnapshotError",
     "SnapshotHandle",
+    "SnapshotObjectsError",
     "SnapshotRecord",
     "SnapshotSpaceError",
     "Stateful",

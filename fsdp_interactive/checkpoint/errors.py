@@ -35,6 +35,24 @@ class SnapshotError(CheckpointError):
     """
 
 
+class SnapshotObjectsError(SnapshotError):
+    """The objects a snapshot holds cannot all be found where it recorded them (a
+    variable, or an attribute path such as ``trainer.optimizer``): when it is taken, an
+    object that is neither a variable nor an attribute of one; when it is restored, a name
+    that is not defined, an attribute that is ``None``, or an object of the wrong kind.
+
+    ``missing`` lists the keywords (``"model"``, ``"optimizer"``, stateful keywords)
+    concerned. Nothing was written or loaded.
+    """
+
+    def __init__(self, message: str, missing: list[str] | None = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+    def __reduce__(self) -> tuple:  # keeps ``missing`` across ranks (all_gather pickles)
+        return (type(self), (str(self), self.missing))
+
+
 class SnapshotSpaceError(SnapshotError):
     """The snapshot folder of a host lacks the room a new snapshot needs there.
 

@@ -14,7 +14,11 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from fsdp_interactive.notebook._magic_io import current_cell_number
+from fsdp_interactive.notebook._magic_io import (
+    current_cell_number,
+    pool_failures,
+    shown_message,
+)
 from fsdp_interactive.notebook._snapshot_calls import (
     SnapshotCallFailed,
     persist_snapshot,
@@ -120,10 +124,17 @@ class RecoveryMagics:
             raise UsageError("no pool; start one with %fsdp start -n 2")
         if args.last is not None and args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of calls >= 1")
-        snapshots = self.pool.snapshots()  # read first: each in the row of the call that took it
+        # Read first: each in the row of the call that took it, with what the ranks reported.
+        snapshots = self.pool.snapshots()
         print(self.pool.journal.table(last=args.last))
         if snapshots:
             print("\nsnapshots: " + "; ".join(s.describe() for s in snapshots))
+        if snapshots and self.pool.state != "stopped":
+            print("\nwhat %fsdp recover would do now:")
+            try:  # its checks may refuse (a snapshot no host holds): the journal still shows
+                self.pool.recover(dry_run=True)
+            except pool_failures() as error:
+                print(f"nothing: it would refuse. {shown_message(error)}")
 
     @magic_arguments()
     @argument(

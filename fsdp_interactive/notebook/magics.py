@@ -104,11 +104,12 @@ class FsdpMagics(RecoveryMagics, Magics):
                                                 without one, a prompt until q
         %fsdp snapshot MODEL [OPTIMIZER] [--stateful a,b] [--step N] [--persist DIR]
                                                 keep the ranks' state in host memory
-        %fsdp journal [--last N]                the calls that built the ranks' state
+        %fsdp journal [--last N]                the calls that built the ranks' state, and
+                                                what a recovery would replay, and why
         %fsdp recover [--from ID|DIR] [--world N] [--dry-run]
                                                 back to the last snapshot after a fault:
-                                                a fresh group, the setup cells replayed,
-                                                the snapshot loaded
+                                                a fresh group, the cells that build what
+                                                it restores replayed, the snapshot loaded
         """
         words = line.strip().split(None, 1)
         if not words:
@@ -407,9 +408,15 @@ class FsdpMagics(RecoveryMagics, Magics):
         help="on --timeout, add each rank's native (C/C++) frames (py-spy)",
     )
     @argument(
+        "--replay",
+        action="store_true",
+        help="%%fsdp recover always runs this cell again (it changes an object in a way "
+        "the snapshot does not hold, e.g. registers a hook the slice cannot see)",
+    )
+    @argument(
         "--no-replay",
         action="store_true",
-        help="%%fsdp recover never runs this cell again (a training loop)",
+        help="%%fsdp recover never runs this cell again",
     )
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
@@ -425,6 +432,8 @@ class FsdpMagics(RecoveryMagics, Magics):
         in the cell stops rank R and asks for debugger commands in the input box.
         """
         args = self._parse_cell(line)
+        if args.replay and args.no_replay:
+            raise UsageError("%%fsdp: type either --replay or --no-replay, not both")
         if self.pool is not None and self.pool.state == "broken":
             try:  # raises what happened to the group, and what works now
                 self.pool.run(cell, cell=current_cell_number(self.shell))
@@ -450,7 +459,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 on_output=sink,
                 cell=current_cell_number(self.shell),
                 native=args.native,
-                replay=not args.no_replay,
+                replay=True if args.replay else False if args.no_replay else None,
             )
         except TimeoutError as error:
             sink.flush()
@@ -477,7 +486,7 @@ class FsdpMagics(RecoveryMagics, Magics):
             raise UsageError(
                 f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] [--native] "
                 "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME] "
-                "[--no-replay]"
+                "[--replay|--no-replay]"
             ) from None
 
     # ------------------------------------------------------------------ %fsdp_auto

@@ -23,7 +23,9 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip() not in ("0", "false", "no", "off")
 
 
-def _parse(source: str) -> ast.Module | None:
+def parse(source: str) -> ast.Module | None:
+    """``source`` as a module, with lines of IPython syntax blanked; ``None`` when it does
+    not parse."""
     try:
         return ast.parse(source)
     except (SyntaxError, ValueError):
@@ -37,7 +39,7 @@ def _parse(source: str) -> ast.Module | None:
 
 def import_specs(source: str) -> list[str]:
     """The import specs of ``source``, in order, each once."""
-    tree = _parse(source)
+    tree = parse(source)
     if tree is None:
         return []
     specs: list[str] = []

@@ -51,13 +51,14 @@ class FaultCalls:
         lost host, or at any time.
 
         Ends what is left of the group, starts a fresh one (on the hosts that remain; on
-        ``world`` ranks when given, resharding), replays the journal's calls that built the
-        names the snapshot was taken among, and loads the snapshot into them (model,
-        optimizer, RNG, stateful objects). ``from_``: a snapshot id (default: the newest)
-        or a checkpoint folder. ``dry_run``: only return (and print) the plan, after the
-        same checks. Prints its progress (``say``: hands each line to it instead) and
-        returns a :class:`RecoveryReport` (the snapshot's step and age, the calls replayed,
-        each phase's seconds). Raises :class:`RecoveryError` with the pool as it was for
+        ``world`` ranks when given, resharding), replays the journal's calls that rebuild the
+        objects the snapshot restores into (the slice, :mod:`._slice`; the plan says each
+        call's part and why), and loads the snapshot into them (model, optimizer, RNG,
+        stateful objects). ``from_``: a snapshot id (default: the newest) or a checkpoint
+        folder. ``dry_run``: only return (and print) the plan, after the same checks.
+        Prints its progress (``say``: hands each line to it instead) and returns a
+        :class:`RecoveryReport` (the snapshot's step and age, the calls replayed, each
+        phase's seconds). Raises :class:`RecoveryError` with the pool as it was for
         what the checks refuse before anything ends (nothing to recover to, a folder that
         is not a snapshot, a damaged record, one that does not fit the live objects: see
         :mod:`._recovery_checks`); when a replayed call fails, the pool then runs a fresh,

@@ -252,7 +252,8 @@ class PoolFaults:
     # ------------------------------------------------------------------ notices
 
     def take_notices(self) -> None:
-        """Read what the ranks sent unasked: snapshot records, for the book and journal."""
+        """Read what the ranks sent unasked: snapshot records, for the book and journal, and
+        each cell's report (what it did, the generators), for the journal."""
         pool = self._pool
         live = pool._live
         if live is None:
@@ -263,3 +264,5 @@ class PoolFaults:
                 if isinstance(notice.get("held"), list):  # the rest was rotated away
                     pool._snapshot_book.forget(keep=[*notice["held"], notice["id"]])
                 pool.journal.note_snapshot(notice.get("call"), str(notice["id"]))
+            elif notice.get("kind") == "cell":
+                pool.journal.note_cell(notice)

@@ -3,8 +3,12 @@ can build it again.
 
 Each ``Pool.run`` (and so each ``%%fsdp`` cell) is one :class:`JournalEntry`: its code,
 cell number, targets, outcome, duration, whether it may be replayed (``%%fsdp
---no-replay`` says no) and the snapshots taken while it ran. Calls the package makes for
-itself (probes, panels) are not entries.
+--no-replay`` says never, ``%%fsdp --replay`` always, by default the recovery's slice
+decides, :mod:`._slice`), the snapshots taken while it ran, and what the ranks saw it do
+(names it rebound or reshaped where its code does not say so, the random generators at its
+start and end: :meth:`Journal.note_cell`, from the notice each rank sends after the cell,
+:mod:`.rank._cell_watch`). Calls the package makes for itself (probes, panels) are not
+entries.
 
 Entries belong to an *epoch*: the life of one process group. ``restart()`` starts an
 epoch with nothing behind it (an empty group); a recovery to snapshot ``S`` starts an
@@ -28,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fsdp_interactive._text import text_table
+from fsdp_interactive.pool._cell_effects import CellEffects, effects_of
+from fsdp_interactive.pool._generator_states import GeneratorStates
 from fsdp_interactive.pool.errors import RankDied
 
 #: Outcomes of an entry; only ``ok`` entries are replayed.
@@ -52,8 +58,11 @@ class JournalEntry:
     ``id``: increasing over the pool's life; ``epoch``: the group it ran on; ``cell``: the
     notebook's execution count (``None`` for a ``Pool.run`` without one); ``targets``:
     ``None`` for every rank; ``started``: wall-clock time; ``seconds``: how long it ran
-    (``None`` while running); ``replay``: may be replayed; ``snapshots``: ids of the
-    snapshots taken while it ran (read after the call ends, so in its own row at once).
+    (``None`` while running); ``replay``: ``None`` when the recovery's slice decides whether
+    to replay it, ``True`` always (``%%fsdp --replay``), ``False`` never (``--no-replay``);
+    ``snapshots``: ids of the snapshots taken while it ran (read after the call ends, so in
+    its own row at once); ``rebound`` and ``reshaped``: names whose object the ranks saw it
+    replace or reshape (hooks, submodules, ``requires_grad``) beyond what its code shows.
     """
 
     id: int
@@ -64,15 +73,23 @@ class JournalEntry:
     started: float = field(default_factory=time.time)
     seconds: float | None = None
     outcome: str = "running"
-    replay: bool = True
+    replay: bool | None = None
     snapshots: list[str] = field(default_factory=list)
+    rebound: set[str] = field(default_factory=set)
+    reshaped: dict[str, str] = field(default_factory=dict)
     #: What the journal shows for the call instead of ``source`` (the magic line that
     #: generated the code), ``None``: its source.
     shown: str | None = None
 
     @property
     def replayable(self) -> bool:
-        return self.replay and self.outcome == "ok"
+        """May a recovery replay it: it succeeded and is not marked ``--no-replay``."""
+        return self.replay is not False and self.outcome == "ok"
+
+    @property
+    def effects(self) -> CellEffects:
+        """What its code does to the namespace, read from the source."""
+        return effects_of(self.source)
 
     @property
     def label(self) -> str:
@@ -102,6 +119,8 @@ class Journal:
         self._ids = itertools.count(1)
         self.entries: list[JournalEntry] = []
         self.epochs: list[Epoch] = [Epoch(0)]
+        #: Every rank's random generators at the start and end of each entry.
+        self.generators = GeneratorStates()
 
     @property
     def epoch(self) -> Epoch:
@@ -113,7 +132,7 @@ class Journal:
         *,
         cell: int | None = None,
         targets: Sequence[int] | None = None,
-        replay: bool = True,
+        replay: bool | None = None,
         shown: str | None = None,
     ) -> JournalEntry:
         """A new running entry in the current epoch (``shown``: see :class:`JournalEntry`)."""
@@ -156,17 +175,33 @@ class Journal:
         if entry is not None and snapshot_id not in entry.snapshots:
             entry.snapshots.append(snapshot_id)
 
+    def note_cell(self, notice: dict) -> None:
+        """Take in what a rank reported after running an entry (a notice of kind
+        ``"cell"``, see :mod:`.rank._cell_watch`): the names it rebound or reshaped, and its
+        random generators at the entry's start and end."""
+        entry = self.entry(notice.get("call")) if isinstance(notice.get("call"), int) else None
+        if entry is None:
+            return
+        entry.rebound.update(str(n) for n in notice.get("rebound") or ())
+        for name, why in (notice.get("reshaped") or {}).items():
+            entry.reshaped.setdefault(str(name), str(why))
+        rank = notice.get("rank")
+        if isinstance(rank, int) and entry.replay is not False:
+            self.generators.note(entry.id, rank, notice)
+
     def replay_for(self, entry_id: int | None) -> list[JournalEntry]:
-        """The entries to replay to rebuild the names a snapshot taken during ``entry_id``
-        was taken among: the base of the entry's epoch, then that epoch's replayable
-        entries before it. ``None`` (a snapshot taken outside any journaled call, or a
-        checkpoint from disk): the current epoch's base and every replayable entry of it."""
+        """The entries a recovery chooses from to rebuild the objects a snapshot taken
+        during ``entry_id`` restores into (the recovery's slice picks among them and says
+        why, :mod:`._slice`): the base of the entry's epoch, then that epoch's successful
+        entries before it (those marked ``--no-replay`` too: the slice keeps them out).
+        ``None`` (a snapshot taken outside any journaled call, or a checkpoint from disk):
+        the current epoch's base and every successful entry of it."""
         entry = self.entry(entry_id) if entry_id is not None else None
         epoch = self.epochs[entry.epoch] if entry is not None else self.epoch
         before = [
             e
             for e in self.entries
-            if e.epoch == epoch.number and e.replayable and (entry is None or e.id < entry.id)
+            if e.epoch == epoch.number and e.outcome == "ok" and (entry is None or e.id < entry.id)
         ]
         return [*epoch.base, *before]
 
@@ -182,7 +217,7 @@ class Journal:
                 e.label,
                 e.outcome,
                 "-" if e.seconds is None else f"{e.seconds:.2f}s",
-                "yes" if e.replay else "no",
+                {None: "auto", True: "always", False: "never"}[e.replay],
                 ", ".join(e.snapshots) or "-",
                 e.first_line(),
             )

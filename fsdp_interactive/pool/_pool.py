@@ -422,9 +422,10 @@ class Pool(FaultCalls, DebuggingCalls):
         on_output: OutputSink | None = None,
         cell: int | None = None,
         native: bool = False,
-        replay: bool = True,
+        replay: bool | None = None,
         journal: bool = True,
         replaying: bool = False,
+        replayed: int | None = None,
         journal_text: str | None = None,
     ) -> RunResult:
         """Execute ``code`` on the targeted ranks concurrently; return their output.
@@ -441,18 +442,21 @@ class Pool(FaultCalls, DebuggingCalls):
         ranks then name the code ``Cell In[cell]`` in tracebacks, stacks and the
         debugger, and keep an exception it raises for :meth:`debug`.
 
-        Every run is an entry of :attr:`journal`, which :meth:`recover` replays to rebuild
-        the ranks' names; ``replay=False`` keeps this one from being replayed (a training
-        loop), ``journal=False`` leaves it out (calls the package makes for itself),
-        ``journal_text`` is what the journal shows instead of ``code`` (the magic line that
-        generated it), and ``replaying`` marks a recovery's own replay (the ranks take no
-        snapshot then). A rank that died since the last call raises :class:`RankDied`
-        here, and ``code`` does not run.
+        Every run is an entry of :attr:`journal`; :meth:`recover` replays it when its slice
+        needs it (:mod:`._slice`), ``replay=True`` always (``%%fsdp --replay``),
+        ``replay=False`` never (``--no-replay``). ``journal=False`` leaves it out (calls the
+        package makes for itself), ``journal_text`` is what the journal shows instead of
+        ``code`` (the magic line that generated it); ``replaying`` marks a recovery's own
+        replay (no snapshot is taken), ``replayed`` the entry it replays (its generators are
+        set around it). A rank that died since the last call raises :class:`RankDied` here,
+        and ``code`` does not run.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python source, got {type(code).__name__}")
         if cell is not None and (isinstance(cell, bool) or not isinstance(cell, int) or cell < 0):
             raise ValueError(f"cell must be the notebook's execution count (an int), got {cell!r}")
+        if replay not in (None, True, False):
+            raise ValueError(f"replay must be None (the slice decides), True or False: {replay!r}")
         views = self._begin(targets, timeout)
         entry = (
             self.journal.begin(
@@ -468,7 +472,7 @@ class Pool(FaultCalls, DebuggingCalls):
         started = time.monotonic()
         # The call and cell numbers travel in the code's own request: one message per rank.
         call = entry.id if entry is not None else None
-        sent = _engine_shell.mark_call(code, call, cell, replaying=replaying)
+        sent = _engine_shell.mark_call(code, call, cell, replaying=replaying, replayed=replayed)
         # Streamed: every message watched from the first, none lost to a late subscription.
         handles = send_requests(
             views, lambda _, view: view.execute(sent, block=False, silent=False), watched=stream

@@ -4,22 +4,27 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
 
 1. **plan** (:func:`make_plan`): which snapshot (the newest the kernel heard of, one named
    by id) or disk checkpoint (a folder) to go back to, which journal entries rebuild the
-   names it was taken among (:meth:`~._journal.Journal.replay_for`), and on how many ranks
-   (the same; the hosts that remain after a lost host; ``world=``). Nothing is touched
-   when there is nothing to recover to, or when the checks of :mod:`._recovery_checks`
-   refuse the input (they ask the ranks while they run). ``dry_run`` stops here.
+   objects it restores into (the slice, :mod:`._slice`: each candidate entry's part and
+   why), and on how many ranks (the same; the hosts that remain after a lost host;
+   ``world=``). Nothing is touched when there is nothing to recover to, or when the checks
+   of :mod:`._recovery_checks` refuse the input (they ask the ranks while they run).
+   ``dry_run`` stops here.
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
    killed); the host's engine forkers and the snapshots in host memory stay.
 3. **start**: a fresh group on the same placement (or the reduced one).
 4. **find**: the new ranks list the snapshots their hosts hold; the newest is taken when
    no id was asked for (a notice lost with a dead rank does not hide a newer snapshot).
-5. **replay**: the entries run again in order, their output not shown, one line each;
-   snapshots are not taken while replaying (:func:`fsdp_interactive._notices.replaying`).
-   A failing entry stops the recovery with its error and leaves a fresh, empty group.
+5. **replay** (:mod:`._replay`): the slice's entries run again in order, their output not
+   shown, one line each, each with the random generators its original started and ended
+   with, parameter initialization skipped where the snapshot overwrites it; snapshots are
+   not taken while replaying (:func:`fsdp_interactive._notices.replaying`). A failing
+   entry stops the recovery with its error and leaves a fresh, empty group.
 6. **restore**: every rank loads the snapshot into the objects the replay recreated
    (model, optimizer, RNG, stateful objects), resharding to a new world size; a snapshot
    that is corrupt or incomplete on the remaining hosts is refused and the next older
-   one the hosts hold is tried (with its own replay).
+   one the hosts hold is tried (with its own replay). An object the replay did not put
+   back where the snapshot recorded it fails the recovery, naming it (never a success
+   over a partial restore), and leaves a fresh, empty group.
 
 The pool's journal then begins a new epoch based on what was replayed, so that a second
 fault recovers the same way. Faults during a recovery: a rank that dies while replaying or
@@ -37,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_interactive.pool import _replay
 from fsdp_interactive.pool._journal import JournalEntry
 from fsdp_interactive.pool._recovery_checks import (
     FROM_FOLDER,
@@ -45,6 +51,7 @@ from fsdp_interactive.pool._recovery_checks import (
     check_snapshot,
     check_world,
 )
+from fsdp_interactive.pool._slice import ReplaySlice, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError
 
@@ -74,6 +81,8 @@ class RecoveryPlan:
     dropped_hosts: tuple[str, ...] = ()
     #: True when the caller named the snapshot (no newer one is taken instead).
     pinned: bool = False
+    #: Every candidate entry's part in the replay, and why.
+    sliced: ReplaySlice = field(default_factory=ReplaySlice)
 
     @property
     def target(self) -> str:
@@ -85,6 +94,7 @@ class RecoveryPlan:
     def lines(self) -> list[str]:
         cells = ", ".join(e.label for e in self.replay) or "none"
         lines = [f"recover to the {self.target}", f"replay {_calls(len(self.replay))}: {cells}"]
+        lines += [f"  {line}" for line in self.sliced.lines()]
         if self.dropped_hosts:
             lines.append(f"without hosts {', '.join(self.dropped_hosts)} (lost)")
         if self.world_size is not None:
@@ -109,6 +119,8 @@ class RecoveryReport:
     phases: Mapping[str, float] = field(default_factory=dict)
     restored: Any = None
     refused: tuple[str, ...] = ()
+    #: What the replay did beyond running the entries (:class:`~._replay.ReplayOutcome`).
+    replay_outcome: _replay.ReplayOutcome | None = None
 
     @property
     def seconds(self) -> float:
@@ -127,6 +139,18 @@ class RecoveryReport:
             f"{self.world_size} ranks; replayed {_calls(len(self.replayed))}: {cells}",
             f"phases: {phases}",
         ]
+        outcome = self.replay_outcome
+        if outcome is not None and outcome.skipped_inits:
+            lines.append(
+                f"replay: {outcome.skipped_inits} parameter initializations skipped (the "
+                f"snapshot overwrites them), {outcome.run_inits} run"
+            )
+        if outcome is not None:
+            lines += [
+                f"replay: {label} ran without rank(s) {', '.join(map(str, ranks))}'s original "
+                "random generators (their report was lost with the rank)"
+                for label, ranks in outcome.without_generators
+            ]
         lines += [f"refused: {reason}" for reason in self.refused]
         return lines
 
@@ -153,8 +177,8 @@ def make_plan(
     if from_ is not None and (os.sep in str(from_) or os.path.isdir(from_)):
         folder = os.path.abspath(os.fspath(from_))
         check_folder(pool, folder)
-        replay = journal.replay_for(None)
-        return RecoveryPlan(None, folder, tuple(replay), world, dropped, pinned=True)
+        sliced = slice_for(journal.replay_for(None), None)
+        return RecoveryPlan(None, folder, sliced.replay, world, dropped, True, sliced)
     if from_ is not None:
         snapshot = book.get(str(from_))
         if snapshot is None:
@@ -169,8 +193,8 @@ def make_plan(
                 "no snapshot to recover to; nothing was changed", TAKE_SNAPSHOT, FROM_FOLDER
             )
     check_snapshot(pool, snapshot, pinned=from_ is not None)
-    replay = journal.replay_for(snapshot.call)
-    return RecoveryPlan(snapshot, None, tuple(replay), world, dropped, pinned=from_ is not None)
+    sliced = slice_for(journal.replay_for(snapshot.call), snapshot.names)
+    return RecoveryPlan(snapshot, None, sliced.replay, world, dropped, from_ is not None, sliced)
 
 
 def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> RecoveryReport:
@@ -193,16 +217,17 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
     lap("find")
     refused: list[str] = []
     for attempt, target in enumerate(candidates):
-        replay = (
-            plan.replay
+        sliced = (
+            plan.sliced
             if target is plan.snapshot or plan.checkpoint is not None
-            else tuple(pool.journal.replay_for(target.call if target else None))
+            else slice_for(pool.journal.replay_for(target.call if target else None), target.names)
         )
         if attempt:
             end_group(pool)
             start_group(pool, world=plan.world_size, drop_hosts=())
             lap("start")
-        _replay(pool, replay, say)
+        names = None if target is None else target.names
+        outcome = _replay_slice(pool, sliced, _replay.restored_locations(names), say)
         lap("replay")
         source = plan.checkpoint if target is None else target.id
         try:
@@ -215,9 +240,16 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             lap("restore")
             continue
         lap("restore")
-        pool.journal.set_base(replay, None if target is None else target.id)
+        pool.journal.set_base(sliced.replay, None if target is None else target.id)
         return RecoveryReport(
-            plan, target, replay, pool.world_size, dict(phases), restored, tuple(refused)
+            plan,
+            target,
+            sliced.replay,
+            pool.world_size,
+            dict(phases),
+            restored,
+            tuple(refused),
+            outcome,
         )
     _fresh_group(pool)
     raise RecoveryError(
@@ -247,29 +279,25 @@ def _candidates(pool: Pool, plan: RecoveryPlan) -> list[SnapshotInfo | None]:
     return [newest, *older]
 
 
-def _replay(pool: Pool, entries: Sequence[JournalEntry], say: Callable[[str], None]) -> None:
-    """Run ``entries`` again, in order; the first failure ends the recovery."""
-    for entry in entries:
-        began = time.monotonic()
-        targets = entry.targets
-        if targets is not None:
-            targets = [rank for rank in targets if rank < pool.world_size] or None
-        try:
-            pool.run(
-                entry.source,
-                targets=targets,
-                cell=entry.cell,
-                stream=False,
-                journal=False,
-                replaying=True,
-            )
-        except Exception as error:
-            _fresh_group(pool)
-            raise RecoveryError(
-                f"replaying {entry.label} failed, so the recovery stopped; the pool runs a "
-                f"fresh, empty group. The call's error:\n{getattr(error, 'what_happened', error)}"
-            ) from error
-        say(f"recovery: replayed {entry.label} in {time.monotonic() - began:.2f} s")
+def _replay_slice(
+    pool: Pool, sliced: ReplaySlice, restored: Sequence[str], say: Callable[[str], None]
+) -> _replay.ReplayOutcome:
+    """The replay phase (:mod:`._replay`); the first failure ends the recovery."""
+    try:
+        return _replay.replay(pool, sliced, restored, say)
+    except _replay.ReplayFailed as failed:
+        _fresh_group(pool)
+        error = failed.error
+        raise RecoveryError(
+            f"replaying {failed.entry.label} failed, so the recovery stopped; the pool runs a "
+            f"fresh, empty group. The call's error:\n{getattr(error, 'what_happened', error)}"
+        ) from error
+    except Exception as error:
+        _fresh_group(pool)
+        raise RecoveryError(
+            f"the replay could not be prepared or finished, so the recovery stopped; the "
+            f"pool runs a fresh, empty group. The error:\n{getattr(error, 'what_happened', error)}"
+        ) from error
 
 
 class _Refused(Exception):
@@ -299,6 +327,13 @@ def _restore(pool: Pool, source: str | None) -> Any:
         pool.run(code, stream=False, journal=False)
     except RankError as error:
         names = {name for name, _ in error.errors.values()}
+        if "SnapshotObjectsError" in names:
+            first = next(m for n, m in error.errors.values() if n == "SnapshotObjectsError")
+            _fresh_group(pool)
+            raise RecoveryError(
+                f"the replayed cells did not put back every object {source} restores into, "
+                f"so nothing was restored and the pool runs a fresh, empty group: {first}"
+            ) from None
         if names & set(_REFUSALS):
             first = error.errors[min(error.errors)]
             raise _Refused(f"{first[0]}: {first[1]}") from None

@@ -97,14 +97,25 @@ def _names_and_notice(root: str) -> dict:
         handle = s.run_cell(
             ns,
             "result = fsdp_interactive.snapshot(model=model, optimizer=optim, "
-            "background=True, sched=sched, anonymous=type(counter)())",
+            "background=True, sched=sched)",
         )
         _notices.set_current_call(42)  # the call that took it is the one current when called
         background = handle.wait()
+        # In a notebook call, an object found nowhere is refused: no recovery could find it.
+        try:
+            s.run_cell(ns, "result = fsdp_interactive.snapshot(model=model, anon=type(counter)())")
+            anonymous = None
+        except Exception as error:
+            anonymous = (type(error).__name__, getattr(error, "missing", None))
     finally:
         _notices.set_sink(None)
         _notices.set_current_call(None)
-    return {"sync": synchronous, "background": background, "notices": notices}
+    return {
+        "sync": synchronous,
+        "background": background,
+        "notices": notices,
+        "anonymous": anonymous,
+    }
 
 
 def test_names_by_identity_and_the_notice_of_rank0(ranks2, tmp_path):
@@ -114,8 +125,9 @@ def test_names_by_identity_and_the_notice_of_rank0(ranks2, tmp_path):
     assert background.names == {
         "model": "model",
         "optimizer": "optim",
-        "stateful": {"sched": "sched", "anonymous": None},
+        "stateful": {"sched": "sched"},
     }
+    assert results[0]["anonymous"] == results[1]["anonymous"] == ("SnapshotObjectsError", ["anon"])
     assert sync.call == 41 and background.call == 41
     # Each notice is the record, and the snapshots every host still holds after it.
     held = [notice.pop("held") for notice in results[0]["notices"]]

@@ -181,7 +181,7 @@ def test_names_that_are_gone_are_named_with_what_to_run(ranks2, tmp_path):
     results = ranks2.run(_names_gone, str(tmp_path))
     kind, message, _ = results[0]["error"]
     assert results[0]["error"] == results[1]["error"]
-    assert kind == "SnapshotError"
+    assert kind == "SnapshotObjectsError"
     assert "'optimizer' was the variable 'optim', which is not defined now" in message
     assert "'counter' was the variable 'counter', which is not defined now" in message
     assert "run the cells that define" in message and "objects=" in message

@@ -51,7 +51,7 @@ def test_a_notebook_snapshots_shows_its_journal_and_recovers_after_a_death(
 
     pool_shell.run_line_magic("fsdp", "journal")
     out, _ = capsys.readouterr()
-    assert "no" in out and "snapshots:" in out and "of step 2" in out
+    assert "never" in out and "snapshots:" in out and "of step 2" in out
 
     with pytest.raises(Exception) as died:
         cell(pool_shell, "", KILL)

@@ -195,10 +195,11 @@ def test_a_corrupt_snapshot_is_refused_and_the_one_before_is_used(fresh, capsys)
 def test_a_replayed_cell_that_fails_stops_the_recovery_and_leaves_a_fresh_group(fresh, tmp_path):
     pool, _ = fresh
     flag = tmp_path / "fail-on-replay"
-    pool.run(
+    pool.run(  # a cell the slice would leave out: forced in (%%fsdp --replay)
         f"import os\nif os.path.exists({str(flag)!r}):\n    raise RuntimeError('not again')\n",
         cell=3,
         stream=False,
+        replay=True,
     )
     pool.run("train(0, 2, every=2)", cell=4, stream=False, replay=False)
     flag.write_text("")

@@ -51,7 +51,8 @@ def test_thirty_sigkills_each_recovered_bit_for_bit(profile_dir, tmp_path: Path)
         pool.start()
         pool.run(SETUP, cell=1, stream=False)
         pool.run(helpers(str(tmp_path)), cell=2, stream=False)
-        pool.run(f"ARMED = {str(armed)!r}\n" + REPLAY_KILLER, cell=3, stream=False)
+        # Forced into every replay (%%fsdp --replay): it defines nothing the snapshot needs.
+        pool.run(f"ARMED = {str(armed)!r}\n" + REPLAY_KILLER, cell=3, stream=False, replay=True)
         pool.run(f"train(0, {EVERY}, every={EVERY})", cell=4, stream=False, replay=False)
         step = EVERY
         for round_ in range(TRAINING_KILLS):

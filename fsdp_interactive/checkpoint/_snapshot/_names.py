@@ -1,36 +1,107 @@
-"""The variables that hold a snapshot's objects: found by identity when it is taken,
-looked up again when it is restored.
+"""Where a snapshot's objects live: found by identity when it is taken, looked up again when
+it is restored.
 
 Recovery replays the cells that created the model, the optimizer and the other objects,
-then restores the snapshot into whatever those names hold now. So a snapshot records,
-for each object, the name it has in the calling cell's namespace (the globals of the
-frame that called :func:`snapshot`; in a pool's engine that is the user namespace, also
-when the call sits inside a function the cell defined). Names starting with ``_``
-(IPython's output history ``_``, ``_3``, ...) are not used.
+then restores the snapshot into whatever is found where they were. So a snapshot records,
+for each object, its *location* in the calling code's namespace (the globals of the frame
+that called :func:`snapshot`; in a pool's engine that is the user namespace, also when the
+call sits inside a function the cell defined): a variable (``model``), or, for an object
+that no variable holds, an attribute path from one (``trainer.model_wrapped``,
+``trainer.optimizer``: what a Hugging Face ``Trainer`` builds inside ``train()``), found
+at most :data:`MAX_DEPTH` attributes deep (instance attributes, and a module's children).
+A variable is preferred to a path, and a shorter path to a longer one. Names starting with
+``_`` (IPython's output history ``_``, ``_3``, ...) are not used.
+
+Inside a pool's notebook call an object without a location is refused when the snapshot is
+taken (:class:`SnapshotObjectsError`, saying how to make it findable), since a recovery
+could not put it back; elsewhere (a script, a test) its location is ``None`` and a restore
+takes it through ``objects=``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_interactive.checkpoint._stateful import Stateful
-from fsdp_interactive.checkpoint.errors import SnapshotError
+from fsdp_interactive.checkpoint.errors import SnapshotObjectsError
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
+#: How many attributes deep a location may go (``trainer.model_wrapped`` is 1).
+MAX_DEPTH = 2
+#: Objects looked into at most while searching, so that a namespace holding huge object
+#: graphs cannot make a snapshot slow.
+_MAX_VISITS = 20_000
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    torch.Tensor,
+    str,
+    bytes,
+    int,
+    float,
+)
 
 
 def name_in(namespace: Mapping[str, Any], obj: Any) -> str | None:
     """The first public name in ``namespace`` bound to ``obj`` itself, or ``None``."""
     if obj is None:
         return None
-    for name, value in namespace.items():
+    for name, value in list(namespace.items()):
         if value is obj and isinstance(name, str) and not name.startswith("_"):
             return name
+    return None
+
+
+def _attributes(value: Any) -> Iterator[tuple[str, Any]]:
+    """The public attributes a location may go through: a module's children, another
+    object's instance attributes (never properties: nothing is computed)."""
+    if isinstance(value, _OPAQUE):
+        return
+    if isinstance(value, nn.Module):
+        yield from ((n, c) for n, c in value.named_children() if not n.startswith("_"))
+        return
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        for name, attribute in list(attributes.items()):
+            if isinstance(name, str) and not name.startswith("_") and attribute is not None:
+                yield name, attribute
+
+
+def locate(namespace: Mapping[str, Any], obj: Any) -> str | None:
+    """Where ``obj`` is in ``namespace``: a public name, else the shortest attribute path
+    from one (at most :data:`MAX_DEPTH` attributes), else ``None``."""
+    if obj is None:
+        return None
+    found = name_in(namespace, obj)
+    if found is not None:
+        return found
+    level = [
+        (name, value)
+        for name, value in list(namespace.items())
+        if isinstance(name, str) and not name.startswith("_")
+    ]
+    seen = {id(value) for _, value in level}
+    visits = 0
+    for _ in range(MAX_DEPTH):
+        deeper = []
+        for path, value in level:
+            for name, attribute in _attributes(value):
+                if attribute is obj:
+                    return f"{path}.{name}"
+                visits += 1
+                if id(attribute) not in seen and visits < _MAX_VISITS:
+                    seen.add(id(attribute))
+                    deeper.append((f"{path}.{name}", attribute))
+        level = deeper
     return None
 
 
@@ -40,22 +111,71 @@ def record_names(
     optimizer: Any,
     stateful: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """``{"model": name, "optimizer": name, "stateful": {keyword: name}}`` (``None`` where
-    an object has no name in ``namespace``)."""
+    """``{"model": location, "optimizer": location, "stateful": {keyword: location}}``
+    (``None`` where an object has no location in ``namespace``, or was not given)."""
     return {
-        MODEL: name_in(namespace, model),
-        OPTIMIZER: name_in(namespace, optimizer),
-        "stateful": {keyword: name_in(namespace, obj) for keyword, obj in stateful.items()},
+        MODEL: locate(namespace, model),
+        OPTIMIZER: locate(namespace, optimizer),
+        "stateful": {keyword: locate(namespace, obj) for keyword, obj in stateful.items()},
     }
 
 
-#: Why a snapshot may hold an object under no variable name.
+def unlocated_error(
+    names: Mapping[str, Any], optimizer: Any, stateful: Mapping[str, Any]
+) -> SnapshotObjectsError | None:
+    """The refusal of a snapshot taken in a notebook call whose objects are not all
+    findable again (``names`` from :func:`record_names`); ``None`` when they are."""
+    missing = [MODEL] if names[MODEL] is None else []
+    missing += [OPTIMIZER] if optimizer is not None and names[OPTIMIZER] is None else []
+    missing += [k for k in stateful if names["stateful"].get(k) is None]
+    if not missing:
+        return None
+    given = ", ".join(f"{k}=..." for k in missing)
+    return SnapshotObjectsError(
+        f"snapshot({given}): {', '.join(repr(k) for k in missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} neither a variable of the notebook's "
+        f"namespace nor an attribute of one (searched {MAX_DEPTH} attributes deep, as in "
+        "trainer.model_wrapped), so a recovery could not find "
+        f"{'it' if len(missing) == 1 else 'them'} again after replaying the cells. Assign "
+        "each to a variable in a cell (e.g. model = ..., then snapshot(model=model)), or "
+        "keep it as an attribute of one; nothing was written",
+        missing=missing,
+    )
+
+
+#: Why a snapshot may hold an object under no location.
 NOT_A_GLOBAL = "the object was not a global of the code that took the snapshot"
+
+
+def _follow(namespace: Mapping[str, Any], path: str) -> tuple[Any, str | None]:
+    """The object at ``path`` (``name`` or ``name.attr...``), or why it is not there."""
+    root, *attributes = path.split(".")
+    if root not in namespace:
+        return None, (
+            f"was the variable {root!r}, which is not defined now: run the cells that "
+            f"define {root!r} first"
+            if not attributes
+            else f"was at {path}, but {root!r} is not defined now: run the cells that "
+            f"define {root!r} first"
+        )
+    value, walked = namespace[root], root
+    for attribute in attributes:
+        walked = f"{walked}.{attribute}"
+        value = getattr(value, attribute, None)
+        if value is None:
+            return None, (
+                f"was at {path}, and {walked} is None or missing now: the cells that ran "
+                f"again did not build it (an object a framework builds inside a call "
+                "that is not replayed, such as trainer.train(), must be built in a cell "
+                "that is: for the Hugging Face Trainer, trainer.create_optimizer() after "
+                "creating it; see docs/recovery.md)"
+            )
+    return value, None
 
 
 def _find(
     keyword: str,
-    name: str | None,
+    location: str | None,
     namespace: Mapping[str, Any],
     objects: Mapping[str, Any],
     problems: list[str],
@@ -63,19 +183,17 @@ def _find(
 ) -> tuple[Any, str]:
     if keyword in objects:
         return objects[keyword], "<objects>"
-    if name is None:
+    if location is None:
         problems.append(
             f"{keyword!r}: no variable name was recorded for it ({unnamed}); "
             f"pass objects={{{keyword!r}: ...}}"
         )
         return None, ""
-    if name not in namespace:
-        problems.append(
-            f"{keyword!r} was the variable {name!r}, which is not defined now: run the "
-            f"cells that define {name!r} first, or pass objects={{{keyword!r}: ...}}"
-        )
+    value, why = _follow(namespace, location)
+    if why is not None:
+        problems.append(f"{keyword!r} {why}, or pass objects={{{keyword!r}: ...}}")
         return None, ""
-    return namespace[name], name
+    return value, location
 
 
 def resolve(
@@ -86,11 +204,12 @@ def resolve(
     unnamed: str = NOT_A_GLOBAL,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any], dict[str, str]]:
     """The model, optimizer (when the snapshot holds optimizer state) and stateful objects
-    a snapshot restores into, and the name each came from; :class:`SnapshotError` listing
-    every object that cannot be found or has the wrong kind.
+    a snapshot restores into, and the location each came from;
+    :class:`SnapshotObjectsError` listing every object that cannot be found or has the
+    wrong kind.
 
-    ``objects`` (keyword -> object) overrides the recorded names; ``unnamed`` says why a
-    name may be missing (in the error that asks for ``objects``).
+    ``objects`` (keyword -> object) overrides the recorded locations; ``unnamed`` says why
+    a location may be missing (in the error that asks for ``objects``).
     """
     if not isinstance(namespace, Mapping):
         raise TypeError(
@@ -103,31 +222,37 @@ def resolve(
             f"objects names {unknown}, which the snapshot does not hold; it holds {held}"
         )
     problems: list[str] = []
+    missing: list[str] = []
+
+    def find(keyword: str, location: str | None) -> tuple[Any, str]:
+        count = len(problems)
+        found = _find(keyword, location, namespace, objects, problems, unnamed)
+        if len(problems) > count:
+            missing.append(keyword)
+        return found
+
+    def wrong(keyword: str, where: str, value: Any, expected: str) -> None:
+        problems.append(f"{keyword!r} ({where}) is a {type(value).__name__}, {expected}")
+        missing.append(keyword)
+
     used: dict[str, str] = {}
-    model, used[MODEL] = _find(MODEL, names.get(MODEL), namespace, objects, problems, unnamed)
+    model, used[MODEL] = find(MODEL, names.get(MODEL))
     if model is not None and not isinstance(model, nn.Module):
-        problems.append(f"'model' ({used[MODEL]}) is a {type(model).__name__}, not a torch module")
+        wrong(MODEL, used[MODEL], model, "not a torch module")
     optimizer = None
     if has_optimizer:
-        optimizer, used[OPTIMIZER] = _find(
-            OPTIMIZER, names.get(OPTIMIZER), namespace, objects, problems, unnamed
-        )
+        optimizer, used[OPTIMIZER] = find(OPTIMIZER, names.get(OPTIMIZER))
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            problems.append(
-                f"'optimizer' ({used[OPTIMIZER]}) is a {type(optimizer).__name__}, "
-                "not a torch optimizer"
-            )
+            wrong(OPTIMIZER, used[OPTIMIZER], optimizer, "not a torch optimizer")
     stateful = {}
-    for keyword, name in names.get("stateful", {}).items():
-        obj, used[keyword] = _find(keyword, name, namespace, objects, problems, unnamed)
+    for keyword, location in names.get("stateful", {}).items():
+        obj, used[keyword] = find(keyword, location)
         if obj is not None and not isinstance(obj, Stateful):
-            problems.append(
-                f"{keyword!r} ({used[keyword]}) is a {type(obj).__name__}, without "
-                "state_dict()/load_state_dict()"
-            )
+            wrong(keyword, used[keyword], obj, "without state_dict()/load_state_dict()")
         stateful[keyword] = obj
     if problems:
-        raise SnapshotError(
-            "cannot restore the snapshot: its objects are not all there: " + "; ".join(problems)
+        raise SnapshotObjectsError(
+            "cannot restore the snapshot: its objects are not all there: " + "; ".join(problems),
+            missing=missing,
         )
     return model, optimizer, stateful, used

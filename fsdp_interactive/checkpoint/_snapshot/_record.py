@@ -28,8 +28,9 @@ class SnapshotRecord:
     * ``created``: unix time at which :func:`snapshot` was called (the state's time);
     * ``world_size`` and ``hosts``: the ranks that took it and the host of each, by rank;
     * ``names``: ``{"model": str | None, "optimizer": str | None, "stateful": {keyword:
-      str | None}}``, the variable of the calling cell's namespace that held each object
-      (``None``: not a global of the caller, or not given);
+      str | None}}``, where each object was in the calling cell's namespace: a variable
+      (``"model"``) or an attribute path from one (``"trainer.model_wrapped"``); ``None``:
+      not given, or (outside a pool's notebook call) found nowhere there;
     * ``keys``: the model's state keys (clean FQNs, sorted), to refuse another model;
     * ``bytes_per_host``: bytes of the data files (``.distcp`` files and ``.metadata``)
       each host holds, the ring copies included;

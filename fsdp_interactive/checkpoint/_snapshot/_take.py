@@ -25,7 +25,7 @@ from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint._snapshot import _plan, _publish, _room
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT, SnapshotHandle
-from fsdp_interactive.checkpoint._snapshot._names import record_names
+from fsdp_interactive.checkpoint._snapshot._names import record_names, unlocated_error
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._stateful import check_stateful
@@ -57,9 +57,12 @@ def snapshot(
     :class:`~fsdp_interactive.checkpoint.RNGState` saves them), and the ``stateful``
     keywords' objects (LR schedulers, samplers, step counters: anything with
     ``state_dict`` / ``load_state_dict``; see :func:`fsdp_interactive.checkpoint.save`
-    for global and per-rank ones). It records the variable of the calling code's
-    globals that holds each object (by identity), for :func:`restore_snapshot` after the
-    cells that create them were run again.
+    for global and per-rank ones). It records where each object is in the calling code's
+    globals (by identity: a variable, or an attribute path such as
+    ``trainer.model_wrapped``), for :func:`restore_snapshot` after the cells that create
+    them were run again; inside a pool's notebook call, an object found nowhere there is
+    refused (:class:`~fsdp_interactive.checkpoint.SnapshotObjectsError`, on every rank,
+    before anything is written).
 
     ``step``: the training step (an int), recorded in the snapshot's record; a
     :class:`~fsdp_interactive.checkpoint.StepCounter` is also kept as a stateful object
@@ -196,7 +199,12 @@ def take(
         step = int(step)
     _check(model, optimizer, step, keep_last, background, stateful)
     names = record_names(namespace, model, optimizer, stateful)
+    # The snapshot in flight publishes over the same group: its collectives end first.
     INFLIGHT.wait()
+    if call is not None:
+        # In a pool's notebook call a recovery will look for every object where it is now:
+        # refused, on every rank alike, when one could not be found again.
+        snapshot_ranks().agree(unlocated_error(names, optimizer, stateful))
     if background:
         # One write of the training state at a time per process (a checkpoint save waits
         # for a snapshot in flight likewise): an async save still writing ends first.

@@ -250,6 +250,8 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         # Pin before anything else can create a context on the wrong device.
         torch.cuda.set_device(device)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # crash reports in the log
+    if device.type == "cpu":
+        share_cores(int(spec["local_world_size"]))
     _torch_recorder.configure(spec.get("flight_recorder"))
     if spec.get("check_collectives"):
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
@@ -324,6 +326,23 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         "socket_ifnames": socket_ifnames,
         "visible_devices": visible_devices,
     }
+
+
+def share_cores(local_world_size: int) -> int:
+    """A CPU rank's intra-op threads: this host's cores shared among its ranks (at least
+    one each), as torchrun's ``OMP_NUM_THREADS=1`` does for one core per rank; torch's
+    default, every core in every rank, oversubscribes the host (two ranks on two cores
+    run four compute threads). ``OMP_NUM_THREADS`` in the environment is left to rule.
+    Returns the thread count."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    log.debug("intra-op threads: %d (%s cores, %d ranks here)", threads, cores, local_world_size)
+    return threads
 
 
 def narrow_visible_devices(indices: list[int]) -> str:

@@ -34,7 +34,14 @@ from typing import Any
 
 from fsdp_interactive import _notices
 from fsdp_interactive.pool.common import _agent_wire
-from fsdp_interactive.pool.rank import _agent, _bootstrap, _debugger, _results, _tqdm_auto
+from fsdp_interactive.pool.rank import (
+    _agent,
+    _bootstrap,
+    _cell_watch,
+    _debugger,
+    _results,
+    _tqdm_auto,
+)
 
 _numbered: set[int] = set()
 _next_is_notebook_cell = False
@@ -106,18 +113,28 @@ def pull(name: str) -> Any:
 
 
 def mark_call(
-    code: str, call: int | None = None, cell: int | None = None, *, replaying: bool = False
+    code: str,
+    call: int | None = None,
+    cell: int | None = None,
+    *,
+    replaying: bool = False,
+    replayed: int | None = None,
 ) -> str:
     """``code`` as an engine of the pool runs it: as notebook call ``call`` (a journal
-    entry's id), as the notebook's cell ``cell``, and, with ``replaying``, as a call a
-    recovery replays (:func:`fsdp_interactive._notices.replaying` is then true).
+    entry's id), as the notebook's cell ``cell``, and, with ``replaying`` (or ``replayed``,
+    the id of the journal entry a recovery replays), as a call a recovery replays
+    (:func:`fsdp_interactive._notices.replaying` is then true, and the entry's generators
+    are set around it, :mod:`._cell_watch`).
 
     Only a first line is added (none when there is nothing to mark); nothing in ``code``
     is changed or checked.
     """
     fields = [f"call={int(call)}"] if call is not None else []
     fields += [f"cell={int(cell)}"] if cell is not None else []
-    fields += ["replay=1"] if replaying else []
+    if replayed is not None:
+        fields += [f"replay={int(replayed)}"]
+    elif replaying:
+        fields += ["replay=0"]
     return f"{_MARK_PREFIX} {' '.join(fields)}\n{code}" if fields else code
 
 
@@ -144,6 +161,8 @@ def _take_cell_mark(lines: list[str]) -> list[str]:
     _notices.set_current_call(
         int(fields["call"]) if "call" in fields else None, replaying="replay" in fields
     )
+    replayed = int(fields.get("replay", "0"))
+    _cell_watch.replaying_entry(replayed or None)
     if "cell" in fields:
         number = int(fields["cell"])
         _shell().execution_count = number
@@ -155,6 +174,7 @@ def _take_cell_mark(lines: list[str]) -> list[str]:
 def _install_hooks(shell: Any) -> None:
     global _hooked
     if not _hooked:
+        shell.events.register("pre_run_cell", _before_cell)
         shell.events.register("post_run_cell", _after_cell)
         # First, so that IPython's own cleanup (leading blank lines, common indentation,
         # pasted prompts) sees the cell's code as the notebook has it.
@@ -169,8 +189,13 @@ def _publish_bar(data: dict[str, Any], display_id: str, update: bool) -> None:
     )
 
 
+def _before_cell(info: Any) -> None:
+    _cell_watch.before_cell(_shell().user_ns)
+
+
 def _after_cell(result: Any) -> None:
     global _next_is_notebook_cell
+    _cell_watch.after_cell(_shell().user_ns)
     _notices.set_current_call(None, replaying=False)
     if not _next_is_notebook_cell:
         return

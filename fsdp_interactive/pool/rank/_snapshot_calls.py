@@ -40,12 +40,14 @@ def restore_into(source: str, namespace: MutableMapping[str, Any]) -> dict[str, 
 
     A refusal is in the words of a recovery, which offers neither a partial load nor
     objects of the caller's: a snapshot of another model names the keys that differ, one
-    whose objects are not all defined names them."""
+    whose objects are not all defined names them (still a :class:`SnapshotObjectsError`:
+    the recovery fails on it rather than trying an older snapshot)."""
     import dataclasses
 
     from fsdp_interactive.checkpoint import (
         IncompatibleCheckpointError,
         SnapshotError,
+        SnapshotObjectsError,
         restore_snapshot,
     )
 
@@ -55,6 +57,8 @@ def restore_into(source: str, namespace: MutableMapping[str, Any]) -> dict[str, 
         text = _OBJECTS_ADVICE.sub("", str(error))
         if text == str(error):
             raise
+        if isinstance(error, SnapshotObjectsError):  # the recovery names what is not there
+            raise SnapshotObjectsError(text, error.missing) from None
         raise SnapshotError(text) from None
     except IncompatibleCheckpointError as error:
         if not (error.missing_keys or error.unexpected_keys):
