@@ -47,6 +47,10 @@ test-stress: setup
 TORCH_VERSION ?=
 TORCH_VENV     = .venv-torch-$(TORCH_VERSION)
 TORCH_TESTS   ?= tests/test_torch_compat.py tests/fsdp tests/inspect tests/checkpoint tests/pool
+# What a torch release cannot change is left to make test: the tests marked timing (output,
+# hang and death detection under load) and the fault-injection loops (the pool's processes).
+TORCH_SKIP    ?= -m "not timing" --ignore=tests/pool/test_recovery_faults.py \
+                 --ignore=tests/pool/test_faults_between_calls.py
 
 setup-torch:
 	@if [ -z "$(TORCH_VERSION)" ]; then echo "usage: make $@ TORCH_VERSION=2.9.1" >&2; exit 2; fi
@@ -55,7 +59,7 @@ setup-torch:
 	sys.exit(None if v == "$(TORCH_VERSION)" else f"$(TORCH_VENV) has torch {v}")'
 
 test-torch: setup-torch
-	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --durations=10 $(PYTEST_ARGS)
+	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) $(TORCH_SKIP) --durations=10 $(PYTEST_ARGS)
 
 # The checkpoint, snapshot and recovery tests again on the distribution's own Python
 # (Debian 12's /usr/bin/python3 is 3.11.2, whose enum pickling differs from the 3.11
