@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -85,7 +86,9 @@ def _worker_main(rank: int, world_size: int, port: int, inbox: mp.Queue, outbox:
             outbox.put((rank, "error", traceback.format_exc()))
         else:
             try:
-                outbox.put((rank, "ok", result))
+                # Plain pickle bytes: a tensor put on the queue as it is travels as a shared
+                # memory file whose descriptor the test process keeps (thousands over a run).
+                outbox.put((rank, "ok", pickle.dumps(result)))
             except Exception:
                 outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -142,7 +145,7 @@ class RankGroup:
         errors = {r: v for r, (status, v) in replies.items() if status == "error"}
         if errors:
             raise RankFailure(errors)
-        return [replies[r][1] for r in range(self.world_size)]
+        return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
         assert self._outbox is not None
