@@ -163,3 +163,24 @@ def test_a_replayable_cells_imports_are_loaded_in_the_next_groups_engines(pool):
     pool.restart()
     result = pool.run(check, stream=False)
     assert result.stdout == {r: "['wave']\n" for r in range(pool.world_size)}
+
+
+def test_a_warmed_module_that_binds_tqdm_auto_at_import_gives_the_engines_rank_bar(pool):
+    # tqdm.contrib.concurrent binds tqdm.auto's class when imported, as transformers does:
+    # imported in the forker, it must bind the rank bar, not the widget ipykernel would pick.
+    pool.run("import tqdm.contrib.concurrent", stream=False)
+    forkers = pool._processes.forkers.forkers()
+    assert forkers and all(
+        f.wait_warm(["tqdm.contrib.concurrent"], timeout=120) for f in forkers
+    ), [f.warm_skipped for f in forkers]
+    pool.restart()
+    check = (
+        "import sys, tqdm.auto, tqdm.contrib.concurrent as concurrent\n"
+        "bar = concurrent.tqdm_auto\n"
+        "for _ in bar(range(3)):\n"
+        "    pass\n"
+        "print(bar is tqdm.auto.tqdm, any(k.__name__ == '_RankBar' for k in bar.__mro__),\n"
+        "      'ipywidgets' in sys.modules)\n"
+    )
+    result = pool.run(check, stream=False)
+    assert result.stdout == {r: "True True False\n" for r in range(pool.world_size)}

@@ -23,6 +23,12 @@ What may be imported into a forker, whose children must stay safe to fork:
   probe of several specs saw a thread started or CUDA initialized, each of them is probed
   alone, so that the others are still imported; a spec refused once is not tried again.
 
+A warmed module binds what it imports as the forker has it, so the forker first makes
+``tqdm.auto`` give the rank bar, as engines do (``_engine_shell.install_rank_bars``). Other
+import-time checks of a library see a process with ``ipykernel`` loaded but no shell
+running: ``transformers`` picks its text progress callback (whose bar is the rank bar)
+rather than its notebook one when ``transformers.trainer`` was warmed.
+
 A package upgraded on disk after it was warmed reaches engines after the pool is stopped
 and started again (the forkers start afresh then), as in any long-lived Python process.
 This module runs in the forker and the probe only: it never starts a thread itself.

@@ -179,8 +179,20 @@ def _install_hooks(shell: Any) -> None:
         # First, so that IPython's own cleanup (leading blank lines, common indentation,
         # pasted prompts) sees the cell's code as the notebook has it.
         shell.input_transformers_cleanup.insert(0, _take_cell_mark)
-        _tqdm_auto.install(_publish_bar)
+        install_rank_bars()
         _hooked = True
+
+
+def install_rank_bars() -> None:
+    """Make ``tqdm.auto`` in this process give the rank bar, publishing through the shell
+    of the engine it runs in when it draws (again: nothing changes).
+
+    The engine forker calls it before importing what cells import (warm imports): it has
+    loaded ``ipykernel``, so ``tqdm.auto`` imported there would otherwise pick the notebook
+    widget, and a module that binds its class at import (``from tqdm.auto import tqdm``:
+    ``transformers``, ``tqdm.contrib``) would hand that widget to every engine forked after.
+    """
+    _tqdm_auto.install(_publish_bar)
 
 
 def _publish_bar(data: dict[str, Any], display_id: str, update: bool) -> None:

@@ -86,10 +86,14 @@ def _refill_auto(module: ModuleType, bar: type) -> None:
 
 
 def install(publish: Publish) -> None:
-    """Make ``tqdm.auto`` on this process give bars that publish through ``publish``
-    (once; a second call changes where they publish)."""
+    """Make ``tqdm.auto`` on this process give bars that publish through ``publish``.
+
+    Again with the same ``publish``: nothing changes (the bar classes modules already
+    bound stay the ones ``tqdm.auto`` gives); with another: bars publish through it."""
     for finder in list(sys.meta_path):
         if isinstance(finder, _RankBarFinder):
+            if finder.loader.publish is publish:
+                return
             sys.meta_path.remove(finder)
     sys.meta_path.insert(0, _RankBarFinder(publish))
     loaded = sys.modules.get(AUTONOTEBOOK)
