@@ -43,15 +43,23 @@ test-stress: setup
 # pyproject.toml admits and the newest one installable here:
 #   make test-torch TORCH_VERSION=2.9.1
 # tests/test_torch_compat.py checks every private torch name the package uses; fsdp/,
-# inspect/ and checkpoint/ run the code that uses them, pool/ starts ranks that run torch.
+# inspect/ and checkpoint/ run the code that uses them, and TORCH_POOL_TESTS start ranks
+# that run torch.
 TORCH_VERSION ?=
 TORCH_VENV     = .venv-torch-$(TORCH_VERSION)
-TORCH_TESTS   ?= tests/test_torch_compat.py tests/fsdp tests/inspect tests/checkpoint tests/pool
-# Left to make test: what a torch release cannot change (the tests marked timing: output,
-# hang and death detection under load; the fault-injection loops: the pool's processes) and
-# the world4 repeats of 2-rank tests (the same code paths, at twice the CPU time).
-TORCH_SKIP    ?= -m "not timing and not world4" --ignore=tests/pool/test_recovery_faults.py \
-                 --ignore=tests/pool/test_faults_between_calls.py
+# Of tests/pool, the files whose ranks run torch code a release can change: the group's
+# start and the forked engines, collectives and the flight recorder behind the
+# diagnostics, the cell watch's generators, snapshots and recovery (init deferral, DCP).
+TORCH_POOL_TESTS = $(addprefix tests/pool/,test_pool_basics.py test_forked_engines.py \
+	test_diagnostics.py test_cell_watch.py test_cuda_logic.py test_rank_threads.py \
+	test_recovery.py test_recovery_slice.py test_recovery_trainer.py test_snapshot_root.py)
+TORCH_TESTS   ?= tests/test_torch_compat.py tests/fsdp tests/inspect tests/checkpoint \
+	$(TORCH_POOL_TESTS)
+# Left to make test: what a torch release cannot change (the rest of tests/pool: the pool's
+# processes, protocols and fault-injection loops; the tests marked timing: output, hang and
+# death detection under load) and the world4 repeats of 2-rank tests (the same code paths,
+# at twice the CPU time).
+TORCH_SKIP    ?= -m "not timing and not world4"
 
 setup-torch:
 	@if [ -z "$(TORCH_VERSION)" ]; then echo "usage: make $@ TORCH_VERSION=2.9.1" >&2; exit 2; fi
