@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_interactive.pool import _cell_imports
+from fsdp_interactive.pool import _cell_imports, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
@@ -338,6 +338,7 @@ class Pool(FaultCalls, DebuggingCalls):
         else:
             assert self._connect_kwargs is not None
             self._client = connect_client(self._connect_kwargs)
+        _stray_comms.keep_iopub_alive(self._client)
         rendezvous = Rendezvous(
             self._client,
             timeout=self.timeout,
