@@ -568,14 +568,6 @@ def _note_ending(signum: int, frame: Any) -> None:
     _ending.append(signal.Signals(signum).name)
 
 
-def _give_warm_imports_the_rank_bar() -> None:
-    """What warm imports load here must be what an engine would load: ``tqdm.auto`` giving
-    the rank bar (:func:`~fsdp_interactive.pool.rank._engine_shell.install_rank_bars`)."""
-    shell = sys.modules.get("fsdp_interactive.pool.rank._engine_shell")
-    if shell is not None:  # its preload failed: the engines report why
-        shell.install_rank_bars()
-
-
 def main() -> int:
     # The owner's Ctrl-C is not ours: the forker runs in its own session, but be explicit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -588,7 +580,7 @@ def main() -> int:
         if root.refused:
             print(f"engine forker: {root.refused}", file=sys.stderr, flush=True)
         preload()
-        _give_warm_imports_the_rank_bar()
+        _warm_imports.prepare_forker()
         ready = {"ready": True, "pid": os.getpid(), "host": socket.gethostname(), **root.report()}
         with contextlib.suppress(OSError):
             os.write(sys.stdout.fileno(), (json.dumps(ready) + "\n").encode())

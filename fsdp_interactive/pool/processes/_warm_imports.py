@@ -24,7 +24,7 @@ What may be imported into a forker, whose children must stay safe to fork:
   alone, so that the others are still imported; a spec refused once is not tried again.
 
 A warmed module binds what it imports as the forker has it, so the forker first makes
-``tqdm.auto`` give the rank bar, as engines do (``_engine_shell.install_rank_bars``). Other
+``tqdm.auto`` give the rank bar, as engines do (:func:`prepare_forker`). Other
 import-time checks of a library see a process with ``ipykernel`` loaded but no shell
 running: ``transformers`` picks its text progress callback (whose bar is the rank bar)
 rather than its notebook one when ``transformers.trainer`` was warmed.
@@ -95,6 +95,15 @@ def installed(top_level: str) -> bool:
         place and any(Path(place).resolve().is_relative_to(root) for root in roots)
         for place in places
     )
+
+
+def prepare_forker() -> None:
+    """Before any warm import, once the forker's preloads are done: make what warm imports
+    load here what an engine would load, ``tqdm.auto`` giving the rank bar
+    (:func:`~fsdp_interactive.pool.rank._engine_shell.install_rank_bars`)."""
+    shell = sys.modules.get("fsdp_interactive.pool.rank._engine_shell")
+    if shell is not None:  # its preload failed: the engines report why
+        shell.install_rank_bars()
 
 
 def import_spec(spec: str) -> None:
