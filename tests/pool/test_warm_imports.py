@@ -175,12 +175,12 @@ def test_a_warmed_module_that_binds_tqdm_auto_at_import_gives_the_engines_rank_b
     ), [f.warm_skipped for f in forkers]
     pool.restart()
     check = (
-        "import sys, tqdm.auto, tqdm.contrib.concurrent as concurrent\n"
+        "import tqdm.auto, tqdm.contrib.concurrent as concurrent\n"
         "bar = concurrent.tqdm_auto\n"
         "for _ in bar(range(3)):\n"
         "    pass\n"
         "print(bar is tqdm.auto.tqdm, any(k.__name__ == '_RankBar' for k in bar.__mro__),\n"
-        "      'ipywidgets' in sys.modules)\n"
+        "      any(k.__module__ == 'tqdm.notebook' for k in bar.__mro__))\n"
     )
     result = pool.run(check, stream=False)
     assert result.stdout == {r: "True True False\n" for r in range(pool.world_size)}
