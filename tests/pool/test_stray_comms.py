@@ -38,7 +38,8 @@ def test_a_ranks_widget_leaves_output_and_results_flowing(
     pool: Pool, shell_without_kernel: Any, caplog: pytest.LogCaptureFixture
 ):
     with caplog.at_level(logging.INFO, logger="fsdp_interactive.pool._stray_comms"):
-        made = pool.run(WIDGET, stream=False)
+        # replay=False: the forkers do not warm ipywidgets for the engines of later tests.
+        made = pool.run(WIDGET, stream=False, replay=False)
         after = pool.run("print('after', rank)\nrank + 40", stream=False)
     assert made.stdout == {0: "made 0\n", 1: "made 1\n"}
     assert after.stdout == {0: "after 0\n", 1: "after 1\n"}
