@@ -18,14 +18,11 @@ missing, nothing is changed.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-_DELIMITER = b"<IDS|MSG>"
 
 
 def _shell_without_kernel() -> bool:
@@ -37,36 +34,27 @@ def _shell_without_kernel() -> bool:
     return shell is not None and not hasattr(shell, "kernel")
 
 
-def _frame_bytes(frame: Any) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
-
-
-def message_type(frames: Sequence[Any]) -> str | None:
-    """The ``msg_type`` of a raw Jupyter message (its frames as ZeroMQ delivered them), or
-    ``None`` when the frames are not one."""
-    # Only the routing identities come before the delimiter, and the header two frames
-    # after it: the content and buffers (large, for output) are never copied.
-    delimiter = next(
-        (i for i in range(min(len(frames), 16)) if _frame_bytes(frames[i]) == _DELIMITER), None
-    )
-    if delimiter is None:
-        return None
-    try:  # after the delimiter: the signature, then the header
-        header = json.loads(_frame_bytes(frames[delimiter + 2]))
-    except (IndexError, ValueError):
+def message_type(session: Any, frames: Sequence[Any]) -> str | None:
+    """The ``msg_type`` of a raw message (its frames as ZeroMQ delivered them), read as
+    ``session`` (the client's ``jupyter_client`` Session, with the packer the cluster
+    chose) reads it, unpacking the header alone; ``None`` when the frames are not one."""
+    try:
+        _, parts = session.feed_identities(frames, copy=False)
+        header = session.unpack(parts[1].bytes)  # parts: signature, header, ...
+    except Exception:  # not a message: ipyparallel's handler reports those
         return None
     kind = header.get("msg_type") if isinstance(header, dict) else None
     return kind if isinstance(kind, str) else None
 
 
-def comm_filter(dispatch: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``dispatch`` (an IOPub handler taking raw frames) behind a filter that drops comm
-    messages while this process's IPython shell has no kernel."""
+def comm_filter(session: Any, dispatch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``dispatch`` (an IOPub handler taking raw frames, framed by ``session``) behind a
+    filter that drops comm messages while this process's IPython shell has no kernel."""
     warned = False
 
     def dispatch_unless_stray_comm(frames: Any) -> Any:
         nonlocal warned
-        kind = message_type(frames)
+        kind = message_type(session, frames)
         if kind is not None and kind.startswith("comm_") and _shell_without_kernel():
             if not warned:
                 warned = True
@@ -89,5 +77,5 @@ def keep_iopub_alive(client: Any) -> None:
     except AttributeError as missing:
         log.debug("IOPub handler left as it is: %s", missing)
         return
-    guarded = comm_filter(dispatch)
+    guarded = comm_filter(client.session, dispatch)
     loop.add_callback(lambda: stream.on_recv(guarded, copy=False))

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import pytest
+import zmq
 from IPython import get_ipython
 from jupyter_client.session import Session
 
@@ -26,12 +27,15 @@ def shell_without_kernel() -> Any:
     return shell
 
 
-def test_message_type_reads_the_header_of_raw_frames():
-    session = Session(key=b"k")
-    frames = session.serialize(session.msg("comm_open", content={"comm_id": "c"}), ident=b"e")
-    assert message_type(frames) == "comm_open"
-    assert message_type([b"no", b"delimiter"]) is None
-    assert message_type([b"<IDS|MSG>", b"sig", b"not json"]) is None
+@pytest.mark.parametrize("packer", ["json", "pickle"])
+def test_message_type_reads_the_header_as_the_session_packs_it(packer):
+    session = Session(key=b"k", packer=packer, unpacker=packer)
+    message = session.msg("comm_open", content={"comm_id": "c"})
+    frames = [zmq.Frame(part) for part in session.serialize(message, ident=b"e")]
+    assert message_type(session, frames) == "comm_open"
+    assert message_type(session, [zmq.Frame(b"no"), zmq.Frame(b"delimiter")]) is None
+    delimiter = zmq.Frame(b"<IDS|MSG>")
+    assert message_type(session, [delimiter, zmq.Frame(b"sig"), zmq.Frame(b"not a header")]) is None
 
 
 def test_a_ranks_widget_leaves_output_and_results_flowing(
