@@ -7,8 +7,10 @@ plus two JSON files written last, by rank 0:
   optimizer is included, the saved Stateful objects (name -> ``"global"`` or
   ``"per_rank"``; absent in checkpoints saved without any), and every data file's size
   and checksum. The checksum algorithm is named under ``"checksum"``: ``"sha256"``
-  (disk checkpoints; the default when absent) or ``"crc32"`` (zlib's CRC-32, snapshots:
-  about 3x cheaper; it catches damage, it is no signature: see docs/security.md);
+  (disk checkpoints; the default when absent), ``"xxh3_64"`` (XXH3, 64 bits: what
+  snapshots write, about 8x cheaper than SHA-256; it catches damage, it is no signature:
+  see docs/security.md) or ``"crc32"`` (zlib's CRC-32, which earlier snapshots wrote; read
+  only);
 * ``extra.json``: the caller's ``extra`` mapping (JSON, never pickle).
 
 A manifest names plain file names of its folder only (no ``/``, no ``..``): any other
@@ -33,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from fsdp_interactive import _private_files
 from fsdp_interactive.checkpoint.errors import CheckpointPathError, CorruptCheckpointError
 
@@ -42,9 +46,15 @@ FORMAT = "fsdp-interactive-dcp"
 FORMAT_VERSION = 1
 SHA256 = "sha256"
 CRC32 = "crc32"
+XXH3_64 = "xxh3_64"
 #: The checksum algorithms a manifest may name.
-CHECKSUMS = (SHA256, CRC32)
-_HASH_CHUNK = 8 << 20
+CHECKSUMS = (SHA256, CRC32, XXH3_64)
+#: What snapshots checksum their files with: XXH3 reads ~8 GB/s on one core here (SIMD on
+#: any x86-64 or ARM, no special instruction), against ~2-3 GB/s for zlib's CRC-32.
+SNAPSHOT_CHECKSUM = XXH3_64
+#: Bytes read per call when checksumming a file: small enough to stay in the core's cache
+#: between the read and the hash (256 KiB measured fastest of 256 KiB to 8 MiB here).
+_HASH_CHUNK = 256 << 10
 
 
 class _Crc32:
@@ -65,6 +75,8 @@ def new_checksum(algorithm: str) -> Any:
     ``hexdigest()``."""
     if algorithm == CRC32:
         return _Crc32()
+    if algorithm == XXH3_64:
+        return xxhash.xxh3_64()
     if algorithm == SHA256:
         return hashlib.sha256()
     raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")

@@ -14,8 +14,8 @@ The reader (:class:`~._safe_reader.RawReader`) reads each chunk straight into th
 tensor when the target's memory is laid out like the chunk (the same world size: every
 shard), else into one buffer that is narrowed and copied (resharding).
 
-The writer computes each file's checksum (:data:`~._manifest.CRC32`) on the bytes it
-writes, while they are in the cache: nothing is read back. Files are created new
+The writer computes each file's checksum (:data:`~._manifest.SNAPSHOT_CHECKSUM`) on the
+bytes it writes, while they are in the cache: nothing is read back. Files are created new
 (``O_EXCL | O_NOFOLLOW``, mode 0600) in the folder, opened once without following a link:
 nothing is written through a link someone placed. What is not done here: choosing the
 folder, publishing it, the manifest (the callers').
@@ -43,9 +43,9 @@ from fsdp_interactive.checkpoint import _manifest
 
 #: The DCP metadata file's name (DCP's own).
 METADATA_FILE = ".metadata"
-#: Bytes written (and checksummed) per system call: cache-sized, so each chunk is read
-#: from memory once for both.
-WRITE_CHUNK = 8 << 20
+#: Bytes written (and checksummed) per system call: sized for the core's cache, so each
+#: chunk is read from memory once for both.
+WRITE_CHUNK = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,11 @@ class RawWriter(StorageWriter):
     """
 
     def __init__(
-        self, folder: str | os.PathLike, *, checksum: str = _manifest.CRC32, sync: bool = True
+        self,
+        folder: str | os.PathLike,
+        *,
+        checksum: str = _manifest.SNAPSHOT_CHECKSUM,
+        sync: bool = True,
     ) -> None:
         super().__init__()
         self.folder = Path(folder)

@@ -1,6 +1,6 @@
 """What a snapshot holds and how it comes back: each rank's tensors as raw bytes (no
-``torch.save`` framing), each file's CRC-32 in the manifest (zlib's own value of the
-file), and a restore at the same world size that reads the model's shards straight into
+``torch.save`` framing), each file's XXH3-64 in the manifest (xxhash's own value of the
+file; earlier snapshots' CRC-32 still verifies), and a restore at the same world size that reads the model's shards straight into
 its parameters, without buffers copied over afterwards."""
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import math
 import zlib
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
+import xxhash
 
+from fsdp_interactive.checkpoint import _manifest
 from fsdp_interactive.fsdp import _fqn_state
 from tests.checkpoint import _snapshots as s
 
@@ -48,18 +51,20 @@ def _taken(root: str) -> dict:
     return {
         "file_bytes": own.stat().st_size,
         "items": _raw_items(folder, own.name),
-        "crc": f"{zlib.crc32(own.read_bytes()):08x}",
+        "digest": xxhash.xxh3_64_hexdigest(own.read_bytes()),
+        "metadata_digest": xxhash.xxh3_64_hexdigest((folder / ".metadata").read_bytes()),
         "manifest": json.loads((folder / "manifest.json").read_text()),
         "name": own.name,
     }
 
 
-def test_each_rank_writes_raw_bytes_with_their_crc32_in_the_manifest(ranks2, tmp_path):
+def test_each_rank_writes_raw_bytes_with_their_xxh3_in_the_manifest(ranks2, tmp_path):
     results = ranks2.run(_taken, str(tmp_path))
     for r in results:
         manifest = r["manifest"]
-        assert manifest["checksum"] == "crc32"
-        assert manifest["files"][r["name"]] == {"size": r["file_bytes"], "crc32": r["crc"]}
+        assert manifest["checksum"] == "xxh3_64"
+        assert manifest["files"][r["name"]] == {"size": r["file_bytes"], "xxh3_64": r["digest"]}
+        assert manifest["files"][".metadata"]["xxh3_64"] == r["metadata_digest"]
         # Every tensor takes exactly its elements' bytes; the items fill the file.
         items = r["items"]
         assert items["tensors"] > 10 and items["raw"] == items["tensors"]
@@ -95,3 +100,34 @@ def test_a_restore_reads_the_models_shards_straight_into_its_parameters(ranks2, 
         assert r["applied"] == [], rank  # nothing copied over from buffers
         assert r["same_storages"]
         assert s.differences(saved[rank][0], r["state"]) == [], rank
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "reference"),
+    [
+        ("xxh3_64", lambda data: xxhash.xxh3_64_hexdigest(data)),
+        ("crc32", lambda data: f"{zlib.crc32(data):08x}"),
+        ("sha256", lambda data: __import__("hashlib").sha256(data).hexdigest()),
+    ],
+)
+def test_every_named_checksum_verifies_a_file_and_catches_one_changed_byte(
+    tmp_path, algorithm, reference
+):
+    # Larger than the read chunk, so the file is hashed in several updates.
+    data = bytes(range(256)) * (3 * 4096 + 17)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    record = _manifest.hash_file(path, algorithm)
+    assert record == _manifest.FileRecord(len(data), reference(data), algorithm)
+    assert _manifest.verify_file(tmp_path, path.name, record) is None
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 1
+    path.write_bytes(bytes(damaged))
+    assert "checksum mismatch" in _manifest.verify_file(tmp_path, path.name, record)
+
+
+def test_xxh3_is_the_specified_function():
+    # XXH3-64 of no bytes, from the XXH3 specification's test vectors.
+    assert _manifest.checksum_of(b"", _manifest.XXH3_64) == "2d06800538d394c2"
+    with pytest.raises(ValueError, match="unknown checksum 'md5'"):
+        _manifest.new_checksum("md5")

@@ -151,7 +151,9 @@ def _finish(
     metadata = gathered[0][1]
     files = {name: rec for own, _, _ in gathered for name, rec in own.items()}
     files[METADATA_FILE] = _manifest.FileRecord(
-        len(metadata), _manifest.checksum_of(metadata, _manifest.CRC32), _manifest.CRC32
+        len(metadata),
+        _manifest.checksum_of(metadata, _manifest.SNAPSHOT_CHECKSUM),
+        _manifest.SNAPSHOT_CHECKSUM,
     )
     _spread(plan, ranks, gathered, metadata)
 
