@@ -8,7 +8,7 @@ plus two JSON files written last, by rank 0:
   ``"per_rank"``; absent in checkpoints saved without any), and every data file's size
   and checksum. The checksum algorithm is named under ``"checksum"``: ``"sha256"``
   (disk checkpoints; the default when absent), ``"xxh3_64"`` (XXH3, 64 bits: what
-  snapshots write, about 8x cheaper than SHA-256; it catches damage, it is no signature:
+  snapshots write, about 7x cheaper than SHA-256; it catches damage, it is no signature:
   see docs/security.md) or ``"crc32"`` (zlib's CRC-32, which earlier snapshots wrote; read
   only);
 * ``extra.json``: the caller's ``extra`` mapping (JSON, never pickle).

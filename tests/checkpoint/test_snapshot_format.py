@@ -1,7 +1,8 @@
 """What a snapshot holds and how it comes back: each rank's tensors as raw bytes (no
 ``torch.save`` framing), each file's XXH3-64 in the manifest (xxhash's own value of the
-file; earlier snapshots' CRC-32 still verifies), and a restore at the same world size that reads the model's shards straight into
-its parameters, without buffers copied over afterwards."""
+file; earlier snapshots' CRC-32 still verifies), and a restore at the same world size
+that reads the model's shards straight into its parameters, without buffers copied over
+afterwards."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint._manifest import CRC32, FileRecord, checksum_of
+from fsdp_interactive.checkpoint._manifest import SNAPSHOT_CHECKSUM, FileRecord, checksum_of
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
 
 
@@ -25,11 +25,13 @@ def _exchange(base: str) -> dict:
     }
     for name, data in contents.items():
         (source / f"{name}-{rank}").write_bytes(data)
-    damaged = FileRecord(999, checksum_of(b"what it should have been", CRC32), CRC32)
+    damaged = FileRecord(
+        999, checksum_of(b"what it should have been", SNAPSHOT_CHECKSUM), SNAPSHOT_CHECKSUM
+    )
     transfers = []
     for sender in (0, 1):
         for name, data in contents.items():
-            record = FileRecord(len(data), checksum_of(data, CRC32), CRC32)
+            record = FileRecord(len(data), checksum_of(data, SNAPSHOT_CHECKSUM), SNAPSHOT_CHECKSUM)
             transfers.append(Transfer(f"{name}-{sender}", record, sender, 1 - sender))
     transfers.append(Transfer("small-0", damaged, 0, 1))  # received as "small-0" again
     result = exchange(transfers, Ranks(), source=source, target=target, chunk_bytes=1000)
