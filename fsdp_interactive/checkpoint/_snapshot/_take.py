@@ -82,8 +82,8 @@ def snapshot(
       ``state_dict``/``load_state_dict``).
     * Each rank writes its shards' bytes as they are in memory into one file in host
       memory (no ``torch.save`` framing; :mod:`fsdp_interactive.checkpoint._raw_storage`),
-      taking the file's checksum (XXH3-64) on the way; the manifest holding the checksums and the
-      record are sealed with the pool's key (:mod:`._seal`).
+      taking the file's checksum (XXH3-64) on the way; the manifest holding the checksums
+      and the record are sealed with the pool's key (:mod:`._seal`).
     * ``background=False``: returns the :class:`SnapshotRecord` once published.
       ``background=True``: writes the state into host memory in the calling thread (the
       blocking part, in ``handle.seconds``: that copy is the staging), then copies it to
