@@ -34,6 +34,7 @@ from typing import Any
 
 from bench.ranks import run_on_ranks
 from bench.run_info import now_and_load
+from bench.runner import rotated
 
 
 def _build() -> tuple[Any, Any, Any]:
@@ -78,8 +79,7 @@ def _rates(model: Any, optim: Any, train_step: Any, steps: int, every: int, samp
     seconds: dict[str, list[float]] = {name: [] for name in RATE_CONTENDERS}
     first = 1
     for sample in range(samples):
-        shift = sample % len(RATE_CONTENDERS)
-        for name in RATE_CONTENDERS[shift:] + RATE_CONTENDERS[:shift]:
+        for name in rotated(list(RATE_CONTENDERS), sample):
             handle = None
             dist.barrier()
             began = time.perf_counter()

@@ -6,6 +6,7 @@ afterwards."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import zlib
@@ -108,7 +109,7 @@ def test_a_restore_reads_the_models_shards_straight_into_its_parameters(ranks2, 
     [
         ("xxh3_64", lambda data: xxhash.xxh3_64_hexdigest(data)),
         ("crc32", lambda data: f"{zlib.crc32(data):08x}"),
-        ("sha256", lambda data: __import__("hashlib").sha256(data).hexdigest()),
+        ("sha256", lambda data: hashlib.sha256(data).hexdigest()),
     ],
 )
 def test_every_named_checksum_verifies_a_file_and_catches_one_changed_byte(
