@@ -102,8 +102,9 @@ def train_step(step):
     optim.zero_grad(set_to_none=True)
 
 def probed_step(step):
-    # train_step(step), and what it cost this process: wall and CPU seconds, minor page
-    # faults, and the times it was taken off a core (involuntary context switches).
+    # train_step(step), and what it cost this process: wall and CPU seconds, the part of
+    # those spent in the kernel (page faults, gloo's sockets), minor page faults, and the
+    # times it was taken off a core (involuntary context switches).
     import resource, time
     wall, cpu, before = time.perf_counter(), time.process_time(), resource.getrusage(0)
     train_step(step)
@@ -111,6 +112,7 @@ def probed_step(step):
     return dict(
         wall=time.perf_counter() - wall,
         cpu=time.process_time() - cpu,
+        kernel=after.ru_stime - before.ru_stime,
         page_faults=after.ru_minflt - before.ru_minflt,
         preempted=after.ru_nivcsw - before.ru_nivcsw,
     )
@@ -145,14 +147,23 @@ _FIRST_STEP = "train_step(0)"
 _STEP = "train_step(1)"
 #: The first step after the state is back, probed on every rank (``probed_step``).
 _PROBED_STEP = "first_step_cost = probed_step(1)"
+#: The step after it, probed the same way: whether a slower first step is a first-step cost.
+_PROBED_NEXT_STEP = "next_step_cost = probed_step(2)"
 
 
-def _first_step_cost(pool: Any) -> dict[str, float]:
-    """What the probed first step cost: the slowest rank's wall and CPU seconds, page
-    faults and preemptions (``step_wall``, ``step_cpu``, ``step_page_faults``,
-    ``step_preempted``)."""
-    costs = pool.pull("first_step_cost")
-    return {f"step_{key}": float(max(c[key] for c in costs)) for key in costs[0]}
+def _step_cost(pool: Any, name: str = "first_step_cost", prefix: str = "step") -> dict[str, float]:
+    """What a probed step (its costs in the ranks' variable ``name``) cost: the slowest
+    rank's wall, CPU and kernel seconds, page faults and preemptions (``{prefix}_wall``,
+    ``{prefix}_cpu``, ``{prefix}_kernel``, ``{prefix}_page_faults``,
+    ``{prefix}_preempted``)."""
+    costs = pool.pull(name)
+    return {f"{prefix}_{key}": float(max(c[key] for c in costs)) for key in costs[0]}
+
+
+def _next_step_cost(pool: Any, cell: int) -> dict[str, float]:
+    """Take and probe the step after the first (untimed by the sample's total)."""
+    pool.run(_PROBED_NEXT_STEP, cell=cell, stream=False)
+    return _step_cost(pool, "next_step_cost", "next_step")
 
 
 def setup_cell(config: Mapping[str, int]) -> str:
@@ -190,7 +201,8 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
     """One recovery with ``Pool.recover()``: seconds from the kill, in phases.
 
     Keys: ``total``, ``detect`` (to ``RankDied``), the recovery's own phases (``end``,
-    ``start``, ``find``, ``replay``, ``restore``), ``step`` (the first step after it),
+    ``start``, ``find``, ``replay``, ``restore``), ``step`` (the first step after it; its
+    probe's ``step_*`` and the next step's ``next_step_*``),
     ``build`` (the build cell's own time when it first ran), ``skipped_inits`` (rank 0's
     parameter initializations the replay skipped), ``bytes_per_host`` (the largest host's
     bytes of the snapshot). Raises unless the recovery replayed the build cell alone.
@@ -215,7 +227,7 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         recovered = time.perf_counter()
         pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
-        step_cost = _first_step_cost(pool)
+        step_cost = {**_step_cost(pool), **_next_step_cost(pool, cell=8)}
     finally:
         pool.stop()
     replayed = [entry.label for entry in report.replayed]
@@ -239,7 +251,8 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
 
 def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str, float]:
     """One manual restart: ``RankDied``, ``Pool.restart()``, the setup cell again,
-    ``checkpoint.load`` from a disk checkpoint saved in ``folder``, one step."""
+    ``checkpoint.load`` from a disk checkpoint saved in ``folder``, one step (probed, as the
+    step after it, as in :func:`ours_sample`)."""
     pool = _pool(world)
     setup = setup_cell(config)
     path = os.path.join(folder, "step-1")
@@ -259,7 +272,7 @@ def restart_sample(world: int, config: Mapping[str, int], folder: str) -> dict[s
         loaded = time.perf_counter()
         pool.run(_PROBED_STEP, cell=7, stream=False)
         done = time.perf_counter()
-        step_cost = _first_step_cost(pool)
+        step_cost = {**_step_cost(pool), **_next_step_cost(pool, cell=8)}
     finally:
         pool.stop()
     return {
