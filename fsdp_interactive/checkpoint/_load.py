@@ -299,11 +299,12 @@ def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
-def _read(state: dict[str, Any], folder: Path, ranks: Ranks) -> None:
-    """``safe_load`` of ``state`` from ``folder``; the same error on every rank."""
+def _read(state: dict[str, Any], folder: Path, metadata: Metadata, ranks: Ranks) -> None:
+    """``safe_load`` of ``state`` from ``folder`` (whose ``metadata`` was read); the same
+    error on every rank."""
     error = None
     try:
-        safe_load(state, folder, no_dist=not ranks.distributed)
+        safe_load(state, folder, no_dist=not ranks.distributed, metadata=metadata)
     except (Exception, CheckpointException) as exc:
         error = unwrap_dcp_error(exc)
     ranks.agree(error if isinstance(error, CheckpointError) else None)
@@ -377,7 +378,7 @@ def load(
     model_state = targets.state["model"]
     buffers = {k: v for k, v in model_state.items() if k not in targets.live}
     read_started = time.monotonic()
-    _read({**targets.state, "model": buffers}, folder, ranks)
+    _read({**targets.state, "model": buffers}, folder, metadata, ranks)
     logger.info("rank %d read its buffers in %.3fs", ranks.rank, time.monotonic() - read_started)
     if "optim" in targets.state:
         _agreed(ranks, lambda: _check_param_groups(model, optimizer, targets.state["optim"]))
@@ -401,7 +402,7 @@ def load(
     if buffers or not in_place:
         _state.apply_model_state(model, buffers)
     if in_place:  # collective: every rank reads, also one with nothing to read in place
-        _read({"model": {k: model_state[k] for k in targets.live}}, folder, ranks)
+        _read({"model": {k: model_state[k] for k in targets.live}}, folder, metadata, ranks)
     if "optim" in targets.state:
         _state.apply_optimizer_state(model, optimizer, targets.state["optim"])
     return LoadReport(

@@ -53,6 +53,7 @@ from torch.futures import Future
 
 from fsdp_interactive import _private_files
 from fsdp_interactive._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, set_element
+from fsdp_interactive.checkpoint._prefault import prefault
 from fsdp_interactive.checkpoint._raw_storage import METADATA_FILE, RawExtent
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
@@ -252,6 +253,7 @@ def _read_into(fd: int, tensor: torch.Tensor, offset: int, where: Path) -> None:
     """Fill the contiguous CPU ``tensor`` with the bytes at ``offset`` of ``fd``."""
     if tensor.numel() == 0:
         return
+    prefault(tensor)
     view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
@@ -395,11 +397,18 @@ class RawReader(StorageReader):
         return future
 
 
-def safe_load(state: dict[str, Any], folder: str | os.PathLike, no_dist: bool) -> None:
+def safe_load(
+    state: dict[str, Any],
+    folder: str | os.PathLike,
+    no_dist: bool,
+    metadata: Metadata | None = None,
+) -> None:
     """``dcp.load`` into ``state`` from ``folder`` through :class:`RawReader` (the raw format)
     or :class:`SafeFileSystemReader` (DCP's own), with :class:`SafeLoadPlanner` (no
-    arbitrary unpickling); DCP's errors propagate unchanged."""
-    metadata = read_metadata(folder)
+    arbitrary unpickling); DCP's errors propagate unchanged. ``metadata``: the folder's,
+    already read by :func:`read_metadata` (``None``: read here)."""
+    if metadata is None:
+        metadata = read_metadata(folder)
     reader: StorageReader = (
         RawReader(folder, metadata) if is_raw(metadata) else SafeFileSystemReader(str(folder))
     )

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 import xxhash
 
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint import _load, _manifest, _safe_reader
 from fsdp_interactive.fsdp import _fqn_state
 from tests.checkpoint import _snapshots as s
 
@@ -79,28 +79,46 @@ def _restored_in_place(root: str, snapshot_id: str) -> dict:
     s.train(ns, 1)
     storages = [p.to_local().untyped_storage().data_ptr() for p in ns["model"].parameters()]
     applied: list[list[str]] = []
+    metadata_reads: list[str] = []
     original = _fqn_state.apply_model_state
+    original_read = _safe_reader.read_metadata
 
     def counting(model, state, **kwargs):
         applied.append(sorted(state))
         return original(model, state, **kwargs)
 
+    def counting_read(folder):
+        metadata_reads.append(str(folder))
+        return original_read(folder)
+
     _fqn_state.apply_model_state = counting
+    # Both names the loader reaches it by: its own import and the reader's module.
+    _safe_reader.read_metadata = _load.read_metadata = counting_read
     try:
         ns["snapshot_id"] = snapshot_id
         s.run_cell(ns, s.RESTORE)
     finally:
         _fqn_state.apply_model_state = original
+        _safe_reader.read_metadata = _load.read_metadata = original_read
     after = [p.to_local().untyped_storage().data_ptr() for p in ns["model"].parameters()]
-    return {"applied": applied, "same_storages": storages == after, "state": s.exact_state(ns)}
+    return {
+        "applied": applied,
+        "same_storages": storages == after,
+        "state": s.exact_state(ns),
+        "metadata_reads": len(metadata_reads),
+    }
 
 
-def test_a_restore_reads_the_models_shards_straight_into_its_parameters(ranks2, tmp_path):
+def test_a_restore_reads_the_models_shards_straight_into_its_parameters_and_metadata_once(
+    ranks2, tmp_path
+):
     saved = ranks2.run(s.take, str(tmp_path))
     restored = ranks2.run(_restored_in_place, str(tmp_path), saved[0][1].id)
     for rank, r in enumerate(restored):
         assert r["applied"] == [], rank  # nothing copied over from buffers
         assert r["same_storages"]
+        # The DCP metadata is unpickled and validated once, not once per read pass.
+        assert r["metadata_reads"] == 1, rank
         assert s.differences(saved[rank][0], r["state"]) == [], rank
 
 
