@@ -41,8 +41,9 @@ _supported = _madvise is not None
 
 def prefault(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back the memory of the contiguous CPU ``tensor`` now (for a write
-    that covers all of it); whether it did. Never raises: a kernel without
-    ``MADV_POPULATE_WRITE`` turns it off for the process."""
+    that covers all of it); whether it did. Never raises. The first ``EINVAL`` (a kernel
+    before 5.14, or memory the call does not apply to) turns it off for the rest of the
+    process: the reads then fault their pages in as they always did."""
     global _supported
     size = tensor.numel() * tensor.element_size()
     if not _supported or size < MIN_BYTES or tensor.device.type != "cpu":
