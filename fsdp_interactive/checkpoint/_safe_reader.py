@@ -53,7 +53,6 @@ from torch.futures import Future
 
 from fsdp_interactive import _private_files
 from fsdp_interactive._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, set_element
-from fsdp_interactive.checkpoint._prefault import prefault
 from fsdp_interactive.checkpoint._raw_storage import METADATA_FILE, RawExtent
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
@@ -253,7 +252,6 @@ def _read_into(fd: int, tensor: torch.Tensor, offset: int, where: Path) -> None:
     """Fill the contiguous CPU ``tensor`` with the bytes at ``offset`` of ``fd``."""
     if tensor.numel() == 0:
         return
-    prefault(tensor)
     view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
