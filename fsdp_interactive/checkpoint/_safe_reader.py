@@ -404,7 +404,8 @@ def safe_load(
     """``dcp.load`` into ``state`` from ``folder`` through :class:`RawReader` (the raw format)
     or :class:`SafeFileSystemReader` (DCP's own), with :class:`SafeLoadPlanner` (no
     arbitrary unpickling); DCP's errors propagate unchanged. ``metadata``: the folder's,
-    already read by :func:`read_metadata` (``None``: read here)."""
+    already read by :func:`read_metadata` (``None``: read here); it picks the reader, and
+    the raw format's reader uses it (DCP's own reads the file again)."""
     if metadata is None:
         metadata = read_metadata(folder)
     reader: StorageReader = (
