@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "_status_line": 0,  # lines that move in place on a text stream
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
     "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
+    "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
@@ -78,6 +79,7 @@ RANK_SIDE = (
     "_bar_state",
     "_lines",
     "_lazy_exports",
+    "_checksums",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).
 RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")

@@ -22,71 +22,28 @@ ranks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import stat
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from fsdp_interactive import _private_files
+from fsdp_interactive._checksums import CHECKSUMS, SHA256, XXH3_64, hash_descriptor
 from fsdp_interactive.checkpoint.errors import CheckpointPathError, CorruptCheckpointError
 
 MANIFEST_FILE = "manifest.json"
 EXTRA_FILE = "extra.json"
 FORMAT = "fsdp-interactive-dcp"
 FORMAT_VERSION = 1
-SHA256 = "sha256"
-CRC32 = "crc32"
-XXH3_64 = "xxh3_64"
-#: The checksum algorithms a manifest may name.
-CHECKSUMS = (SHA256, CRC32, XXH3_64)
 #: What snapshots checksum their files with: XXH3 reads ~8 GB/s on one core here (SIMD on
 #: any x86-64 or ARM, no special instruction), against ~2-3 GB/s for zlib's CRC-32.
 SNAPSHOT_CHECKSUM = XXH3_64
-#: Bytes read per call when checksumming a file: small enough to stay in the core's cache
-#: between the read and the hash (256 KiB measured fastest of 256 KiB to 8 MiB here).
-_HASH_CHUNK = 256 << 10
-
-
-class _Crc32:
-    """zlib's CRC-32 with hashlib's ``update`` / ``hexdigest`` (8 hex digits)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def new_checksum(algorithm: str) -> Any:
-    """A fresh hasher of ``algorithm`` (one of :data:`CHECKSUMS`): ``update(bytes)``,
-    ``hexdigest()``."""
-    if algorithm == CRC32:
-        return _Crc32()
-    if algorithm == XXH3_64:
-        return xxhash.xxh3_64()
-    if algorithm == SHA256:
-        return hashlib.sha256()
-    raise ValueError(f"unknown checksum {algorithm!r}; expected one of {CHECKSUMS}")
-
-
-def checksum_of(data: Any, algorithm: str) -> str:
-    """The ``algorithm`` checksum of the bytes ``data``, as hex."""
-    digest = new_checksum(algorithm)
-    digest.update(data)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -251,18 +208,12 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
 def hash_file(path: Path, algorithm: str = SHA256) -> FileRecord:
     """Size and ``algorithm`` checksum of one regular file (opened without following a
     link; ``OSError`` for anything else)."""
-    digest = new_checksum(algorithm)
-    size = 0
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
     fd = _private_files.open_regular(path)
     try:
-        while count := os.readv(fd, [buffer]):
-            digest.update(view[:count])
-            size += count
+        size, digest = hash_descriptor(fd, algorithm)
     finally:
         os.close(fd)
-    return FileRecord(size, digest.hexdigest(), algorithm)
+    return FileRecord(size, digest, algorithm)
 
 
 def verify_file(

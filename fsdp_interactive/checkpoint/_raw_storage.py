@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fsdp_interactive import _private_files
+from fsdp_interactive._checksums import new_checksum
 from fsdp_interactive.checkpoint import _manifest
 
 #: The DCP metadata file's name (DCP's own).
@@ -78,7 +79,7 @@ class RawWriter(StorageWriter):
     """Writes a DCP checkpoint of raw bytes into the existing private folder ``folder``.
 
     After ``dcp.save``: :attr:`files` holds the checksum record (``checksum``, one of
-    :data:`~._manifest.CHECKSUMS`) of each file this rank wrote, the coordinator's
+    :data:`fsdp_interactive._checksums.CHECKSUMS`) of each file this rank wrote, the coordinator's
     ``.metadata`` included, and :attr:`metadata_bytes` the metadata file's content on the
     coordinator. ``sync``: each file is fsynced (a no-op in host memory, durable on disk).
     """
@@ -120,7 +121,7 @@ class RawWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data}0.distcp"
-        digest = _manifest.new_checksum(self.checksum)
+        digest = new_checksum(self.checksum)
         results, offset = [], 0
         fd = self._new_file(name)
         try:
@@ -153,7 +154,7 @@ class RawWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for per_rank in results for r in per_rank}
         metadata.storage_meta = self.storage_meta()
         data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        digest = _manifest.new_checksum(self.checksum)
+        digest = new_checksum(self.checksum)
         fd = self._new_file(METADATA_FILE)
         try:
             _write_all(fd, memoryview(data), digest)

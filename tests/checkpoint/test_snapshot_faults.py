@@ -26,7 +26,7 @@ HOSTS = ["host-a", "host-b"]
 def _fault(point: str, kill: bool) -> Iterator[None]:
     """Make rank 1 fail at ``point`` of the snapshot taken inside: raise there, or SIGKILL
     itself. The real functions are put back afterwards."""
-    from fsdp_interactive.checkpoint import _layout, _manifest, _raw_storage
+    from fsdp_interactive.checkpoint import _layout, _raw_storage
     from fsdp_interactive.checkpoint._snapshot import _store, _transfer
 
     def fail(error: Exception) -> None:
@@ -50,7 +50,7 @@ def _fault(point: str, kill: bool) -> Iterator[None]:
         # the write of this rank's shards
         "write": (_raw_storage.RawWriter, "write_data", write_data),
         # DCP's metadata, written by rank 0 (the fault is on rank 1: its checksum record)
-        "checksum": (_manifest, "new_checksum", lambda name: fail(OSError("checksum failed"))),
+        "checksum": (_raw_storage, "new_checksum", lambda name: fail(OSError("checksum failed"))),
         # receiving the other host's files
         "ring": (_transfer._Incoming, "write", receive),
         # writing manifest.json and snapshot.json

@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 import xxhash
 
+from fsdp_interactive._checksums import XXH3_64, checksum_of, new_checksum
 from fsdp_interactive.checkpoint import _load, _manifest, _safe_reader
 from fsdp_interactive.fsdp import _fqn_state
 from tests.checkpoint import _snapshots as s
@@ -148,6 +149,6 @@ def test_every_named_checksum_verifies_a_file_and_catches_one_changed_byte(
 
 def test_xxh3_is_the_specified_function():
     # XXH3-64 of no bytes, from the XXH3 specification's test vectors.
-    assert _manifest.checksum_of(b"", _manifest.XXH3_64) == "2d06800538d394c2"
+    assert checksum_of(b"", XXH3_64) == "2d06800538d394c2"
     with pytest.raises(ValueError, match="unknown checksum 'md5'"):
-        _manifest.new_checksum("md5")
+        new_checksum("md5")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive import checkpoint as ck
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive.checkpoint._snapshot import _place, _plan, _seal
 from tests.checkpoint import _snapshots as s
 from tests.second_user import as_other_user, shared_path
@@ -238,9 +238,7 @@ def _forge(folder: Path, name: str) -> None:
     data[-8] ^= 0x40
     path.write_bytes(bytes(data))
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"][name][manifest["checksum"]] = _manifest.checksum_of(
-        bytes(data), manifest["checksum"]
-    )
+    manifest["files"][name][manifest["checksum"]] = checksum_of(bytes(data), manifest["checksum"])
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from fsdp_interactive import _private_files
+from fsdp_interactive._checksums import new_checksum
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._pipeline import _check_shared
@@ -25,7 +26,7 @@ _COPY_CHUNK = 16 << 20
 def _copy_checked(source: Path, target: Path, expected: _manifest.FileRecord) -> str | None:
     """Copy ``source`` to ``target`` (fsynced), taking its checksum on the way; a problem
     or ``None``."""
-    digest = _manifest.new_checksum(expected.algorithm)
+    digest = new_checksum(expected.algorithm)
     size = 0
     try:
         src_fd = _private_files.open_regular(source)

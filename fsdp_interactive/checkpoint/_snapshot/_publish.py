@@ -27,6 +27,7 @@ import shutil
 from datetime import datetime, timezone
 
 from fsdp_interactive import _notices, _private_files
+from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._pipeline import Contents
@@ -152,7 +153,7 @@ def _finish(
     files = {name: rec for own, _, _ in gathered for name, rec in own.items()}
     files[METADATA_FILE] = _manifest.FileRecord(
         len(metadata),
-        _manifest.checksum_of(metadata, _manifest.SNAPSHOT_CHECKSUM),
+        checksum_of(metadata, _manifest.SNAPSHOT_CHECKSUM),
         _manifest.SNAPSHOT_CHECKSUM,
     )
     _spread(plan, ranks, gathered, metadata)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_interactive import _private_files
+from fsdp_interactive._checksums import new_checksum
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout, _manifest
 
@@ -108,7 +109,7 @@ class _Incoming:
         self.transfer, self.result = transfer, result
         self.final = folder / transfer.name
         self.temporary = folder / f".{transfer.name}.incoming-{token}"  # token: one per transfer
-        self.digest = _manifest.new_checksum(transfer.record.algorithm)
+        self.digest = new_checksum(transfer.record.algorithm)
         self.file: BinaryIO | None = None
         try:
             self.file = os.fdopen(_private_files.create_file(self.temporary), "wb")
