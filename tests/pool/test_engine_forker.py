@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_interactive.pool.processes._engine_forker import check_request
+from fsdp_interactive.pool.processes._forked_children import check_request
 from fsdp_interactive.pool.processes._forked_launcher import (
     EngineForker,
     ForkerError,

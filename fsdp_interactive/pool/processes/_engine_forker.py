@@ -27,7 +27,7 @@ Protocol (one JSON object per line):
   engine's nanny, ready-made, in its own session with its output in ``FILE`` too, and
   the engine finds its ends of the pipes to it in ``$FSDPI_NANNY_FDS``
   (:mod:`._forked_nanny`). With ``"collect_output": true`` the child's exit event
-  carries the last :data:`OUTPUT_TAIL_BYTES` of ``FILE``, which is then removed;
+  carries the last :data:`._forked_children.OUTPUT_TAIL_BYTES` of ``FILE``, which is then removed;
 * reply ``{"token": T, "pid": P}`` (and ``"nanny_pid"`` with a nanny), or
   ``{"token": T, "error": "..."}`` when the request is malformed or the fork failed;
 * request ``{"signal": S, "pid": P}``: send signal ``S`` to child ``P`` if it is one of
@@ -65,20 +65,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import runpy
 import selectors
 import signal
 import socket
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool.common import _snapshot_root
-from fsdp_interactive.pool.processes import _forked_nanny, _warm_imports
+from fsdp_interactive.pool.processes import _warm_imports
+from fsdp_interactive.pool.processes._forked_children import (
+    ENDING_SIGNALS,
+    fork_child,
+    fork_request,
+    output_tail,
+)
 from fsdp_interactive.pool.processes._forker_setup import RootState, prepare_root, read_setup
 
 #: Modules imported once here so that no forked engine pays for them: torch, the engine,
@@ -100,9 +104,6 @@ PRELOAD = (
 )
 #: Seconds children get after SIGTERM, when the forker exits, before SIGKILL.
 END_GRACE_S = 3.0
-#: How much of a child's output its exit event carries (``"collect_output"``).
-OUTPUT_TAIL_BYTES = 64 * 1024
-_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class _Ending(BaseException):
@@ -138,193 +139,6 @@ def preload(modules: tuple[str, ...] = PRELOAD) -> None:
     finally:
         gc.freeze()
         gc.enable()
-
-
-@dataclass(frozen=True)
-class ForkRequest:
-    """A checked fork request (see the module's protocol)."""
-
-    module: str
-    args: list[str]
-    env: dict[str, str]
-    cwd: str | None
-    output: str
-    nanny: bool = False
-    extend_env: bool = False
-    collect_output: bool = False
-
-
-def check_request(request: Any) -> ForkRequest:
-    """Validate a fork request."""
-    if not isinstance(request, dict):
-        raise ValueError(f"a request must be a JSON object, got {type(request).__name__}")
-    argv, env = request.get("argv"), request.get("env")
-    cwd, output = request.get("cwd"), request.get("output")
-    for flag in ("nanny", "extend_env", "collect_output"):
-        if not isinstance(request.get(flag, False), bool):
-            raise ValueError(f"{flag} must be true or false")
-    if (
-        not isinstance(argv, list)
-        or len(argv) < 3
-        or argv[1] != "-m"
-        or not all(isinstance(a, str) for a in argv)
-    ):
-        raise ValueError(f"argv must be [python, '-m', module, *args], got {argv!r}")
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise ValueError("env must be an object of strings")
-    if (cwd is not None and not isinstance(cwd, str)) or not isinstance(output, str) or not output:
-        raise ValueError("cwd and output must be strings (output not empty; cwd may be null)")
-    return ForkRequest(
-        module=argv[2],
-        args=argv[3:],
-        env=env,
-        cwd=cwd,
-        output=output,
-        nanny=request.get("nanny", False),
-        extend_env=request.get("extend_env", False),
-        collect_output=request.get("collect_output", False),
-    )
-
-
-def _become_own_process(output: str) -> None:
-    """In a forked child: its own session, stdin from ``/dev/null``, stdout and stderr
-    appended to ``output``; SIGINT back to the interpreter's handler (the forker ignores it)."""
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    folder = os.path.dirname(output)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str | None) -> int:
-    """In the forked child: become a fresh ``python -m module args`` process; its status."""
-    if cwd is not None:
-        os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-    sys.argv = [module, *args]
-    # A module the forker imported (the pool's own modules are) runs afresh as __main__,
-    # as in a new interpreter, instead of beside its imported copy (runpy warns of that).
-    sys.modules.pop(module, None)
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = exc.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def _fork(body: Callable[[], int], output: str, close: Iterable[int]) -> int:
-    """Fork a child that runs ``body()`` as its own process (see :func:`_become_own_process`)
-    and exits with its status; the child's pid (in the parent). Never returns in the child.
-
-    ``close``: descriptors of the forker the child must not keep (0-2 are replaced).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The forker's ending handlers must never run in a child: blocked across the fork,
-    # set back to the defaults in the child before they are unblocked.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING_SIGNALS)
-    pid = os.fork()
-    if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        return pid
-    status = 1
-    try:
-        # The forker's wake-up pipe is closed below: its number must not be written to.
-        signal.set_wakeup_fd(-1)
-        for sig in _ENDING_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for fd in close:
-            if fd > 2:
-                os.close(fd)
-        _become_own_process(output)
-        status = body()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(status & 0xFF if status >= 0 else 1)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def child_environment(request: ForkRequest, snapshot_root: str | None) -> dict[str, str]:
-    """The environment a child of ``request`` gets (see the module's protocol)."""
-    env = {**os.environ, **request.env} if request.extend_env else dict(request.env)
-    if snapshot_root:
-        env[_snapshot_root.ENV_VAR] = snapshot_root
-    return env
-
-
-def fork_request(
-    request: Any, inherited: list[int], snapshot_root: str | None = None
-) -> tuple[int, int | None]:
-    """Fork what ``request`` asks for; ``(the child's pid, its nanny's pid or None)``.
-
-    ``inherited``: descriptors of the forker no child may keep.
-    """
-    checked = check_request(request)
-    module, args, cwd, output = checked.module, checked.args, checked.cwd, checked.output
-    env = child_environment(checked, snapshot_root)
-    if not checked.nanny:
-        return _fork(lambda: _run_module(module, args, env, cwd), output, inherited), None
-    pipes = _forked_nanny.make_pipes()
-    try:
-        args_w, url_r = pipes.engine_ends()
-        engine_env = dict(env, **{_forked_nanny.FDS_ENV: f"{args_w},{url_r}"})
-        engine = _fork(
-            lambda: _run_module(module, args, engine_env, cwd),
-            output,
-            [*inherited, *pipes.nanny_ends()],
-        )
-        nanny = _fork(
-            lambda: _forked_nanny.run_nanny(*pipes.nanny_ends()),
-            output,
-            [*inherited, *pipes.engine_ends()],
-        )
-    finally:
-        for fd in pipes.all():
-            os.close(fd)
-    return engine, nanny
-
-
-def output_tail(path: str, size: int = OUTPUT_TAIL_BYTES) -> str:
-    """The last ``size`` bytes of ``path``, from the start of a line ("" when unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            length = f.tell()
-            f.seek(max(0, length - size))
-            data = f.read()
-    except OSError:
-        return ""
-    if length > size and b"\n" in data:
-        data = data[data.index(b"\n") + 1 :]
-    return data.decode(errors="replace")
 
 
 @dataclass
@@ -452,7 +266,7 @@ class _Server:
         fd, report = tempfile.mkstemp(prefix="fsdpi-warm-", suffix=".json")
         os.close(fd)
         body = lambda: _warm_imports.run_probe(fresh, report)  # noqa: E731
-        pid = _fork(body, os.devnull, self.own_descriptors())
+        pid = fork_child(body, os.devnull, self.own_descriptors())
         self.warming.update(fresh)
         self.watch(_Child(pid, report=False, on_end=lambda code: self._probed(fresh, report, code)))
 
@@ -538,14 +352,14 @@ def serve(requests_fd: int, replies_fd: int, root: RootState, pending: bytes = b
     so no request can hide in a buffer while the selector waits.
     """
     server = _Server(requests_fd, replies_fd, root)
-    for sig in _ENDING_SIGNALS:
+    for sig in ENDING_SIGNALS:
         signal.signal(sig, _note_ending)
     signal.set_wakeup_fd(server.wakeup_w)
     try:
         server.serve(pending)
     finally:
         # A second SIGTERM must not cut the clean-up short.
-        for sig in _ENDING_SIGNALS:
+        for sig in ENDING_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         server.end_children()
         server.close()
@@ -571,7 +385,7 @@ def _note_ending(signum: int, frame: Any) -> None:
 def main() -> int:
     # The owner's Ctrl-C is not ours: the forker runs in its own session, but be explicit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for sig in _ENDING_SIGNALS:
+    for sig in ENDING_SIGNALS:
         signal.signal(sig, _raise_ending)
     root = RootState()
     try:
