@@ -46,6 +46,8 @@ LAYERS: dict[str, int] = {
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
     "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
     "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
+    # a snapshot's checksums taken ahead of a restore: engine forker and ranks
+    "_prechecked": 1,
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
@@ -80,6 +82,7 @@ RANK_SIDE = (
     "_lines",
     "_lazy_exports",
     "_checksums",
+    "_prechecked",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).
 RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")

@@ -10,7 +10,11 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
    of :mod:`._recovery_checks` refuse the input (they ask the ranks while they run).
    ``dry_run`` stops here.
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
-   killed); the host's engine forkers and the snapshots in host memory stay.
+   killed); the host's engine forkers and the snapshots in host memory stay. Each host's
+   forker first starts hashing its copy of the planned snapshot in a child
+   (:mod:`fsdp_interactive._prechecked`), with the CPU time that ending and starting
+   the group leave idle; the restore then hashes only the files it did not record (a
+   precheck that dies, or a file changed since, costs the restore's own check, no more).
 3. **start**: a fresh group on the same placement (or the reduced one).
 4. **find**: the new ranks list the snapshots their hosts hold; the newest is taken when
    no id was asked for (a notice lost with a dead rank does not hide a newer snapshot).
@@ -208,6 +212,8 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
         phases[name] = phases.get(name, 0.0) + now - began
         began = now
 
+    if plan.snapshot is not None:
+        pool._processes.forkers.precheck(plan.snapshot.id)
     end_group(pool)
     lap("end")
     start_group(pool, world=plan.world_size, drop_hosts=plan.dropped_hosts)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
+from fsdp_interactive import _prechecked
+from fsdp_interactive.checkpoint import _manifest
 from fsdp_interactive.pool import Pool, RankDied, RankTimeout
 from fsdp_interactive.pool._recovery import RecoveryError, RecoveryPlan
 from tests.pool.conftest import record, run_script, wait_gone
@@ -135,6 +138,28 @@ def test_after_a_death_the_state_is_the_snapshots_bit_for_bit(fresh, capsys):
     assert fingerprints(pool) == taken_at(truth, 6, 2)
     out = capsys.readouterr().out
     assert "recovered to the snapshot" in out and "of step 6" in out and "replayed 2 calls" in out
+
+
+def test_the_hosts_forker_prechecks_the_snapshot_a_recovery_restores(fresh):
+    pool, truth = fresh
+    pool.run("train(0, 2, every=2)", cell=3, stream=False, replay=False)
+    time.sleep(_prechecked.SETTLED_S)  # the files settle: the precheck may record them
+    with pytest.raises(RankDied):
+        pool.run(KILL_RANK_1, cell=4, stream=False)
+    report = pool.recover()
+    assert fingerprints(pool) == taken_at(truth, 2, 2)
+    folder = Path(pool.snapshot_root) / report.snapshot.id
+    manifest = _manifest.read_manifest(folder)
+    # The forker's child hashes at idle priority: its record may come after the restore,
+    # which then hashed every file itself (and took none from it).
+    assert report.restored["prechecked_files"] in (0, len(manifest.files))
+    deadline = time.monotonic() + 60
+    while not _prechecked.prechecked(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = _prechecked.prechecked(folder)
+    assert {n: e.digest for n, e in found.items()} == {
+        n: r.digest for n, r in manifest.files.items()
+    }
 
 
 def test_recover_frees_a_wedged_collective(fresh):

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp_interactive._prechecked import prechecked
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _layout, _manifest
 from fsdp_interactive.checkpoint._snapshot import _seal, _store
@@ -194,19 +195,32 @@ class Completed:
     copied_files: int = 0
     copied_bytes: int = 0
     repaired: list[str] = field(default_factory=list)
+    #: Files whose checksum a precheck had found good on their host (not hashed again).
+    prechecked_files: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
 
-def _verify_share(located: Located) -> list[str]:
-    """The files this rank checks (its share of its host's), that fail their checksum."""
+def _verify_share(located: Located) -> tuple[list[str], int]:
+    """The files this rank checks (its share of its host's) that fail their checksum, and
+    how many of its share a precheck had found good (:mod:`fsdp_interactive._prechecked`:
+    not hashed again)."""
     host = located.hosts.of_rank[located.rank]
     mates = located.hosts.ranks_on(host)
     mine = located.good_size(host)[mates.index(located.rank) :: len(mates)]
-    return [
-        name
-        for name in mine
-        if _manifest.verify_file(located.folder, name, located.manifest.files[name]) is not None
-    ]
+    known = prechecked(located.folder)
+    bad, taken = [], 0
+    for name in mine:
+        expected = located.manifest.files[name]
+        entry = known.get(name)
+        if entry is not None and (entry.algorithm, entry.digest, entry.stamp.size) == (
+            expected.algorithm,
+            expected.digest,
+            expected.size,
+        ):
+            taken += 1
+        elif _manifest.verify_file(located.folder, name, expected) is not None:
+            bad.append(name)
+    return bad, taken
 
 
 def _unavailable_error(
@@ -244,7 +258,9 @@ def complete(located: Located, ranks: Ranks) -> Completed:
     done = Completed()
     hosts = located.hosts
     started = time.monotonic()
-    bad = ranks.all_gather(_verify_share(located))
+    shares = ranks.all_gather(_verify_share(located))
+    bad = [names for names, _ in shares]
+    done.prechecked_files = sum(taken for _, taken in shares)
     damaged: dict[str, list[str]] = {}
     for rank, names in enumerate(bad):
         for name in names:

@@ -119,6 +119,7 @@ class RestoreReport:
     unexpected_keys: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    prechecked_files: int = 0
 
     @property
     def resharded(self) -> bool:

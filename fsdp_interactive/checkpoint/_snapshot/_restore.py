@@ -215,6 +215,7 @@ def restore_snapshot(
         copied_files=completed.copied_files,
         copied_bytes=completed.copied_bytes,
         repaired_files=completed.repaired,
+        prechecked_files=completed.prechecked_files,
         missing_keys=loaded.missing_keys,
         unexpected_keys=loaded.unexpected_keys,
         phases=phases,

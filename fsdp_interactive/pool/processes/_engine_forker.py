@@ -37,6 +37,12 @@ Protocol (one JSON object per line):
   tried first in a throwaway fork that must start no thread and leave CUDA alone); done
   between requests. Answered, once done, by the event ``{"warmed": [...], "skipped":
   {SPEC: reason}}`` (specs warmed before are left out of both);
+* request ``{"precheck": SNAPSHOT_ID}``: hash the files of this host's copy of that
+  snapshot (in the snapshot root) in a child that runs only on idle CPUs, and record their
+  checksums in the snapshot's folder for the restore that follows
+  (:mod:`fsdp_interactive._prechecked`); no reply (the record is the result, its end
+  is logged on stderr). A precheck of a snapshot already being prechecked is not
+  started twice;
 * event ``{"exited": P, "exit_code": C}`` (and ``"output"``, see above) when child ``P``
   ends (``C`` negative: killed by signal ``-C``), as ``subprocess`` reports it. A nanny's
   end is not reported: it ends after its engine, whose end is.
@@ -75,6 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_interactive import _prechecked
 from fsdp_interactive.pool.common import _snapshot_root
 from fsdp_interactive.pool.processes import _warm_imports
 from fsdp_interactive.pool.processes._forked_children import (
@@ -167,6 +174,7 @@ class _Server:
         self.warmed: set[str] = set()  # import specs imported here (see warm)
         self.warming: set[str] = set()  # being probed
         self.refused: dict[str, str] = {}  # never to be tried again, with the reason
+        self.prechecking: set[str] = set()  # snapshot ids being prechecked
 
     def own_descriptors(self) -> list[int]:
         """Descriptors of the forker that no child may keep."""
@@ -233,6 +241,9 @@ class _Server:
             if isinstance(request, dict) and "warm" in request:
                 self.warm(request["warm"])
                 return
+            if isinstance(request, dict) and "precheck" in request:
+                self.precheck(request["precheck"])
+                return
             token = request.get("token") if isinstance(request, dict) else None
             if self.refusal is not None:
                 raise ValueError(self.refusal)
@@ -285,6 +296,30 @@ class _Server:
         self.send({"warmed": done, "skipped": skipped})
         for spec in settled.alone:
             self.warm([spec])
+
+    def precheck(self, snapshot_id: Any) -> None:
+        """Hash the snapshot ``snapshot_id`` of this host's root in a child that runs only on
+        idle CPUs (:func:`_precheck_child`); returns at once."""
+        if self.snapshot_root is None or not _prechecked.is_snapshot_name(snapshot_id):
+            print(f"engine forker: no precheck of {snapshot_id!r}", file=sys.stderr, flush=True)
+            return
+        if snapshot_id in self.prechecking:
+            return
+        folder = os.path.join(self.snapshot_root, snapshot_id)
+        began = time.monotonic()
+        pid = fork_child(lambda: _precheck_child(folder), os.devnull, self.own_descriptors())
+        self.prechecking.add(snapshot_id)
+
+        def ended(code: int) -> None:
+            self.prechecking.discard(snapshot_id)
+            outcome = "recorded" if code == 0 else f"failed (exit code {code}); nothing recorded"
+            print(
+                f"engine forker: precheck of {folder} {outcome} in {time.monotonic() - began:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        self.watch(_Child(pid, report=False, on_end=ended))
 
     def serve(self, pending: bytes = b"") -> None:
         """Answer requests (``pending``: bytes read before) until the requests' channel
@@ -364,6 +399,15 @@ def serve(requests_fd: int, replies_fd: int, root: RootState, pending: bytes = b
         server.end_children()
         server.close()
         _remove_snapshot_root(root.owned)
+
+
+def _precheck_child(folder: str) -> int:
+    """In a forked child: :func:`fsdp_interactive._prechecked.precheck` of ``folder`` under
+    ``SCHED_IDLE`` (it runs only on a CPU nothing else wants: the engines being started
+    are never slowed by it); its exit status."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _prechecked.precheck(folder)
+    return 0
 
 
 def _remove_snapshot_root(path: str | None) -> None:

@@ -196,6 +196,11 @@ class EngineForker:
         if specs:
             self._send(json.dumps({"warm": list(specs)}))
 
+    def precheck(self, snapshot_id: str) -> None:
+        """Have the forker hash its host's copy of the snapshot ``snapshot_id`` ahead of a
+        restore (:mod:`fsdp_interactive._prechecked`); no answer is awaited."""
+        self._send(json.dumps({"precheck": snapshot_id}))
+
     def wait_warm(self, specs: list[str], timeout: float) -> bool:
         """Wait until the forker warmed or skipped each of ``specs``; whether it did in
         ``timeout`` seconds (``False`` at once once the forker is gone)."""

@@ -150,6 +150,13 @@ class HostForkers:
             if forker.running():
                 forker.warm(specs)
 
+    def precheck(self, snapshot_id: str) -> None:
+        """Have every running forker hash its host's copy of the snapshot ``snapshot_id``
+        ahead of a restore (:meth:`EngineForker.precheck`); returns at once."""
+        for forker in self._forkers.values():
+            if forker.running():
+                forker.precheck(snapshot_id)
+
     def forkers(self) -> list[EngineForker]:
         """The forkers started so far (running or not)."""
         return list(self._forkers.values())
