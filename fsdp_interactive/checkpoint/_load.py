@@ -258,9 +258,10 @@ def _targets(
     strict: bool,
     ranks: Ranks,
     in_place: bool = False,
+    current: dict[str, Any] | None = None,
 ) -> _Targets:
     owned = owned_storages(model) if in_place else None
-    current = _state.model_state(model)
+    current = _state.model_state(model) if current is None else current
     model_target, missing, unexpected = _model_targets(current, metadata, strict, owned)
     state: dict[str, Any] = {"model": model_target}
     if optimizer is not None:
@@ -343,6 +344,32 @@ def load(
     Stateful objects took theirs (a read that fails then, which no check caught, leaves
     the model partly loaded).
     """
+    return load_with_state(
+        path,
+        model,
+        optimizer,
+        stateful=stateful,
+        strict=strict,
+        verify=verify,
+        in_place=in_place,
+        model_state=None,
+    )
+
+
+def load_with_state(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stateful: Mapping[str, _stateful.Stateful] | None,
+    strict: bool,
+    verify: bool,
+    in_place: bool,
+    model_state: dict[str, Any] | None,
+) -> LoadReport:
+    """:func:`load`, given ``model_state``: ``_state.model_state(model)`` as the caller
+    computed it since the model last changed (``None``: computed here), so that a caller
+    that compared keys first does not compute it twice."""
     objects = _stateful.check_stateful(stateful)
     started = time.monotonic()
     ranks = Ranks()
@@ -373,6 +400,7 @@ def load(
             strict=strict,
             ranks=ranks,
             in_place=in_place,
+            current=model_state,
         ),
     )
     model_state = targets.state["model"]

@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _manifest, _state
-from fsdp_interactive.checkpoint._load import check_folder, load
+from fsdp_interactive.checkpoint._load import check_folder, load_with_state
 from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT
 from fsdp_interactive.checkpoint._snapshot._locate import Completed, Located, complete, locate
@@ -96,12 +96,14 @@ def _find(snapshot_id: str | os.PathLike | None, ranks: Ranks) -> _Source:
     return _Source(located.id, located.folder, record.names, record.keys, located.manifest, located)
 
 
-def _check_keys(source: _Source, model: nn.Module) -> None:
-    current = set(_state.model_state(model))
+def _check_keys(source: _Source, model: nn.Module) -> dict[str, Any]:
+    """The model's state (``_state.model_state``), once its keys are the snapshot's."""
+    state = _state.model_state(model)
+    current = set(state)
     saved = set(source.keys or ())
     missing, unexpected = sorted(current - saved), sorted(saved - current)
     if not (missing or unexpected):
-        return
+        return state
     parts = []
     if missing:
         parts.append(f"missing keys (in the model, not in the snapshot): {missing}")
@@ -189,14 +191,15 @@ def restore_snapshot(
             source.names, manifest.has_optimizer, namespace, objects or {}, source.unnamed
         ),
     )
+    model_state = None
     if strict and source.keys is not None:
-        _agreed(ranks, lambda: _check_keys(source, model))
+        model_state = _agreed(ranks, lambda: _check_keys(source, model))
     completed = complete(source.located, ranks) if source.located else Completed()
     phases.update(completed.phases)
     loading = time.monotonic()
     if RNG_KEY in manifest.stateful:
         stateful = {**stateful, RNG_KEY: RNGState()}
-    loaded = load(
+    loaded = load_with_state(
         source.folder,
         model,
         optimizer,
@@ -204,6 +207,7 @@ def restore_snapshot(
         strict=strict,
         verify=source.located is None,  # a snapshot's copies were checked by complete()
         in_place=True,
+        model_state=model_state,  # complete() changed no object since the key check
     )
     phases["load"] = time.monotonic() - loading
     report = RestoreReport(
