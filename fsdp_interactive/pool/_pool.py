@@ -512,12 +512,26 @@ class Pool(FaultCalls, DebuggingCalls):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        return self._call(fn, args, kwargs, targets=targets, timeout=timeout, stream=True)
+
+    def _call(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        targets: Targets = None,
+        timeout: float | None = None,
+        stream: bool,
+    ) -> list[Any]:
+        """:meth:`call`; ``stream=False`` collects the ranks' output instead of showing
+        it (what the pool's own calls do, such as a recovery's restore)."""
         views = self._begin(targets, timeout)
-        handles = send_requests(  # streamed: watched from the first message
+        handles = send_requests(  # watched from the first message
             views, lambda _, view: view.apply_async(_results.call, fn, *args, **kwargs)
         )
         with self._faults.outcome(None):
-            return self._pending(handles, stream=True).wait(timeout)
+            return self._pending(handles, stream=stream).wait(timeout)
 
     def push(self, mapping: Mapping[str, Any], targets: Targets = None) -> None:
         """Assign each ``name: value`` of ``mapping`` in the targeted ranks' namespaces."""

@@ -58,14 +58,12 @@ from fsdp_interactive.pool._recovery_checks import (
 from fsdp_interactive.pool._slice import ReplaySlice, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError
+from fsdp_interactive.pool.rank._snapshot_calls import restore_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
 
 log = logging.getLogger(__name__)
-
-#: The rank-side names a recovery leaves for a moment in each rank's namespace.
-_RESTORED = "_fsdp_interactive_restored"
 
 
 def _calls(count: int) -> str:
@@ -324,13 +322,8 @@ def _restore(pool: Pool, source: str | None) -> Any:
     its namespace holds under the recorded names; rank 0's report."""
     from fsdp_interactive.pool.errors import RankError
 
-    code = (
-        "from fsdp_interactive.pool.rank._snapshot_calls import restore_into as _fsdpi_restore\n"
-        f"{_RESTORED} = _fsdpi_restore({source!r}, globals())\n"
-        "del _fsdpi_restore\n"
-    )
     try:
-        pool.run(code, stream=False, journal=False)
+        return pool._call(restore_here, (source,), {}, stream=False)[0]  # output not shown
     except RankError as error:
         names = {name for name, _ in error.errors.values()}
         if "SnapshotObjectsError" in names:
@@ -344,10 +337,6 @@ def _restore(pool: Pool, source: str | None) -> Any:
             first = error.errors[min(error.errors)]
             raise _Refused(f"{first[0]}: {first[1]}") from None
         raise
-    try:
-        return pool.pull(_RESTORED, targets=[0])[0]
-    finally:
-        pool.run(f"globals().pop({_RESTORED!r}, None)", stream=False, journal=False)
 
 
 def end_group(pool: Pool) -> None:

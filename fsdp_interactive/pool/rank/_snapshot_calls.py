@@ -71,6 +71,14 @@ def restore_into(source: str, namespace: MutableMapping[str, Any]) -> dict[str, 
     return dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(report)
 
 
+def restore_here(source: str) -> dict[str, Any]:
+    """:func:`restore_into` this engine's user namespace (what a recovery runs on every rank
+    with ``Pool.call``: one round trip, no cell and no variable left behind)."""
+    from fsdp_interactive.pool.rank._engine_shell import user_namespace
+
+    return restore_into(source, user_namespace())
+
+
 def check_folder_source(folder: str) -> str | None:
     """What a recovery to the checkpoint folder ``folder`` would refuse, found on this rank
     before anything ends and without reading any tensor: a folder that is not a complete
