@@ -48,8 +48,12 @@ logger = logging.getLogger(__name__)
 
 #: The record's name in a snapshot folder (a dot-file: never taken for a data file).
 RECORD_FILE = ".prechecked.json"
-#: A file changed less than this many seconds before it is hashed is not recorded.
-SETTLED_S = 1.0
+#: A file changed less than this many seconds before it is hashed is not recorded. File
+#: times come from the kernel's coarse clock, which moves once a tick (1 to 10 ms): a
+#: write in the tick of the file's last change could leave its times as they were, but
+#: not one made a tick later. (Kernels with multigrain timestamps, 6.13 and later, give
+#: a change after a ``stat`` a new time anyway.) Ten of the longest ticks.
+SETTLED_S = 0.1
 _MANIFEST_FILE = "manifest.json"
 
 
