@@ -204,8 +204,11 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
     ``start``, ``find``, ``replay``, ``restore``), ``step`` (the first step after it; its
     probe's ``step_*`` and the next step's ``next_step_*``),
     ``build`` (the build cell's own time when it first ran), ``skipped_inits`` (rank 0's
-    parameter initializations the replay skipped), ``bytes_per_host`` (the largest host's
-    bytes of the snapshot). Raises unless the recovery replayed the build cell alone.
+    parameter initializations the replay skipped), ``restore_check`` / ``restore_load``
+    (rank 0's restore: checking every host's copy, then loading), ``prechecked_files``
+    (copies whose checksum the hosts' engine forkers took during the recovery),
+    ``bytes_per_host`` (the largest host's bytes of the snapshot). Raises unless the
+    recovery replayed the build cell alone.
     """
     pool = _pool(world)
     try:
@@ -234,6 +237,7 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
     if replayed != [build.label]:
         raise RuntimeError(f"the recovery replayed {replayed}, not the build cell alone")
     phases = {name: float(seconds) for name, seconds in report.phases.items()}
+    restored = report.restored  # rank 0's RestoreReport, as a dict
     outcome = report.replay_outcome
     return {
         "total": done - began,
@@ -245,6 +249,9 @@ def ours_sample(world: int, config: Mapping[str, int], folder: str) -> dict[str,
         **step_cost,
         "build": float(build.seconds or 0.0),
         "skipped_inits": float(outcome.skipped_inits if outcome else 0),
+        "restore_check": float(restored["phases"]["verify"]),
+        "restore_load": float(restored["phases"]["load"]),
+        "prechecked_files": float(restored["prechecked_files"]),
         "bytes_per_host": float(max(held.values())),
     }
 
@@ -410,7 +417,7 @@ def measure(
                 "B"
                 if part.endswith("bytes_per_host")
                 else ""
-                if "inits" in part or "faults" in part or "preempted" in part
+                if any(word in part for word in ("inits", "faults", "preempted", "files"))
                 else "s"
             )
             name = f"{case}: one snapshot in host memory, per host" if unit == "B" else part
