@@ -90,16 +90,26 @@ Current thread 0x00007f0000000003 (most recent call first):
   File "/x/site-packages/fsdp_interactive/pool/processes/_engine_entry.py", line 128 in <module>
   File "/usr/lib/python3.11/runpy.py", line 88 in _run_code
   File "/usr/lib/python3.11/runpy.py", line 226 in run_module
-  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 110 in _run_child
-  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 140 in _fork
-  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 180 in serve
-  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 197 in main
+  File "/x/site-packages/fsdp_interactive/pool/processes/_forked_children.py", line 104 in _run_module
+  File "/x/site-packages/fsdp_interactive/pool/processes/_forked_children.py", line 145 in <lambda>
+  File "/x/site-packages/fsdp_interactive/pool/processes/_forked_children.py", line 130 in fork_child
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 238 in handle
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 330 in serve
+  File "/x/site-packages/fsdp_interactive/pool/processes/_engine_forker.py", line 397 in main
 """
+#: The same engine between cells: its event loop waits in the selector.
+IDLE_FORKED_ENGINE_DUMP = """\
+Current thread 0x00007f0000000003 (most recent call first):
+  File "/usr/lib/python3.11/selectors.py", line 468 in select
+  File "/usr/lib/python3.11/asyncio/base_events.py", line 1898 in _run_once
+""" + FORKED_ENGINE_DUMP.split("\n", 3)[3]
 
 
 def test_a_forked_engines_stack_hides_how_the_engine_was_started():
     frames = user_stack(FORKED_ENGINE_DUMP, thread_id=None)
     assert [f.function for f in frames] == ["<module>"]
+    idle = user_stack(IDLE_FORKED_ENGINE_DUMP, thread_id=None)
+    assert idle == [] and describe(idle) == "idle (no user code running)"
 
 
 def test_stack_summary_quotes_the_cell_line():

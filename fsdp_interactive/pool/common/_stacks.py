@@ -66,7 +66,8 @@ _FRAMEWORK_PATH = re.compile(
     # an idle engine waits in its event loop's selector
     r"|([/\\]selectors\.py$)"
     # how a local engine was started: forked by the pool's forker, run as `python -m`
-    r"|([/\\]pool[/\\]processes[/\\]_engine_(forker|entry)\.py$)|([/\\]runpy\.py$)"
+    r"|([/\\]pool[/\\]processes[/\\](_engine_forker|_engine_entry|_forked_children)\.py$)"
+    r"|([/\\]runpy\.py$)"
 )
 _WRAPPER_FILES = ("c10d_logger.py",)
 

@@ -434,7 +434,14 @@ def main() -> int:
     root = RootState()
     try:
         setup, pending = read_setup(sys.stdin.fileno())
-        root = prepare_root(setup)
+        # An ending signal while the root is made is held until ``root`` says it was made,
+        # so that the handler below removes it (raised between the mkdir and the return,
+        # it would leave the root to the orphan reaper).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING_SIGNALS)
+        try:
+            root = prepare_root(setup)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if root.refused:
             print(f"engine forker: {root.refused}", file=sys.stderr, flush=True)
         preload()
