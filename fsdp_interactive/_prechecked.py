@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import CHECKSUMS, hash_descriptor
+from fsdp_interactive._checksums import CHECKSUMS, SHA256, hash_descriptor
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +90,14 @@ def _manifest_checksums(folder: Path) -> dict[str, str]:
     Read only to know what to hash: the digests are compared with the sealed manifest by
     the restore, never here."""
     data = json.loads(_private_files.read_regular(folder / _MANIFEST_FILE))
-    default = data.get("checksum", "sha256")
-    return {name: default for name in data.get("files", {}) if _plain(name)}
+    default = data.get("checksum", SHA256)
+    return {name: default for name in data.get("files", {}) if _private_files.is_plain_name(name)}
 
 
 def is_snapshot_name(name: object) -> bool:
     """Whether ``name`` can name a published snapshot folder of a root (a plain name, not
     a dot-folder): what a precheck accepts."""
-    return _plain(name) and not str(name).startswith(".")
-
-
-def _plain(name: object) -> bool:
-    """A plain file name of a folder (no path, no ``.`` or ``..``)."""
-    return isinstance(name, str) and bool(name) and "/" not in name and name not in (".", "..")
+    return _private_files.is_plain_name(name) and not str(name).startswith(".")
 
 
 def _hash_settled(folder_fd: int, name: str, algorithm: str) -> Prechecked | None:
@@ -171,7 +166,7 @@ def _read_record(folder: Path) -> dict[str, Prechecked]:
     return {
         name: Prechecked(entry["algorithm"], entry["digest"], Stamp(**entry["stamp"]))
         for name, entry in data["files"].items()
-        if _plain(name)
+        if _private_files.is_plain_name(name)
     }
 
 

@@ -51,6 +51,18 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain file name of a folder: not empty, no ``/``, not ``.`` or
+    ``..``, no NUL (a manifest entry ``../../dev/zero`` is not one)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
+
+
 def why_not_private(info: os.stat_result) -> str | None:
     """What keeps a folder with the ``lstat`` result ``info`` from being a private folder of
     this user; ``None`` when it is one."""

@@ -56,18 +56,6 @@ class FileRecord:
     algorithm: str = SHA256
 
 
-def is_plain_name(name: object) -> bool:
-    """Whether ``name`` is a plain file name of a folder: not empty, no ``/``, not ``.`` or
-    ``..``, no NUL (a manifest entry ``../../dev/zero`` is not one)."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\x00" not in name
-    )
-
-
 @dataclass(frozen=True)
 class CheckpointRecord:
     """What :func:`~fsdp_interactive.checkpoint.list_checkpoints` reports per checkpoint."""
@@ -149,7 +137,9 @@ class Manifest:
             algorithm = data.get("checksum", SHA256)
             if algorithm not in CHECKSUMS:
                 raise ValueError(f"unknown checksum {algorithm!r}, expected one of {CHECKSUMS}")
-            unsafe = sorted(repr(name) for name in data["files"] if not is_plain_name(name))
+            unsafe = sorted(
+                repr(name) for name in data["files"] if not _private_files.is_plain_name(name)
+            )
             if unsafe:
                 raise ValueError(
                     f"file names {', '.join(unsafe)} are not plain file names of the folder"
