@@ -67,7 +67,7 @@ def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
         if isinstance(entry, TensorStorageMetadata) and len(path) == 2:
             target["model"][path[1]] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     try:
-        safe_load(target, folder, no_dist=True, metadata=metadata)
+        safe_load(target, folder, metadata=metadata)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:

@@ -302,15 +302,24 @@ def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
 
 def _read(state: dict[str, Any], folder: Path, metadata: Metadata, ranks: Ranks) -> None:
     """``safe_load`` of ``state`` from ``folder`` (whose ``metadata`` was read); the same
-    error on every rank."""
-    error = None
+    error on every rank.
+
+    Each rank plans and reads its own part alone: DCP's load planning involves no global
+    coordination (``create_default_global_load_plan`` returns the ranks' plans unchanged),
+    so its collectives would only gather the plans on rank 0 and make the others wait for
+    it. The one agreement that matters, whether every rank read everything, is ours.
+    """
+    error: BaseException | None = None
     try:
-        safe_load(state, folder, no_dist=not ranks.distributed, metadata=metadata)
+        safe_load(state, folder, metadata=metadata)
     except (Exception, CheckpointException) as exc:
         error = unwrap_dcp_error(exc)
-    ranks.agree(error if isinstance(error, CheckpointError) else None)
-    if error is not None:
-        raise error
+        if not isinstance(error, CheckpointError):
+            error = CheckpointError(
+                f"reading checkpoint {folder} failed on rank {ranks.rank}: "
+                f"{type(error).__name__}: {error}"
+            )
+    ranks.agree(error)
 
 
 def load(
@@ -429,7 +438,7 @@ def load_with_state(
 
     if buffers or not in_place:
         _state.apply_model_state(model, buffers)
-    if in_place:  # collective: every rank reads, also one with nothing to read in place
+    if in_place:  # collective (the agreement): every rank reads, also one with nothing in place
         _read({"model": {k: model_state[k] for k in targets.live}}, folder, metadata, ranks)
     if "optim" in targets.state:
         _state.apply_optimizer_state(model, optimizer, targets.state["optim"])

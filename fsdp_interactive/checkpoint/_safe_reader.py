@@ -396,20 +396,19 @@ class RawReader(StorageReader):
 
 
 def safe_load(
-    state: dict[str, Any],
-    folder: str | os.PathLike,
-    no_dist: bool,
-    metadata: Metadata | None = None,
+    state: dict[str, Any], folder: str | os.PathLike, metadata: Metadata | None = None
 ) -> None:
     """``dcp.load`` into ``state`` from ``folder`` through :class:`RawReader` (the raw format)
     or :class:`SafeFileSystemReader` (DCP's own), with :class:`SafeLoadPlanner` (no
-    arbitrary unpickling); DCP's errors propagate unchanged. ``metadata``: the folder's,
-    already read by :func:`read_metadata` (``None``: read here); it picks the reader, and
-    the raw format's reader uses it (DCP's own reads the file again)."""
+    arbitrary unpickling), in this process alone (DCP's ``no_dist``: no collective, so
+    ranks of a group agree on errors themselves); DCP's errors propagate unchanged.
+    ``metadata``: the folder's, already read by :func:`read_metadata` (``None``: read
+    here); it picks the reader, and the raw format's reader uses it (DCP's own reads the
+    file again)."""
     if metadata is None:
         metadata = read_metadata(folder)
     reader: StorageReader = (
         RawReader(folder, metadata) if is_raw(metadata) else SafeFileSystemReader(str(folder))
     )
     with single_process_quietly():
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)

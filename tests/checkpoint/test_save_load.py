@@ -3,10 +3,16 @@ async saves stage a copy and let training go on, rotation and listing."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from fsdp_interactive import checkpoint as ck
+from fsdp_interactive.checkpoint import _load
 from tests.checkpoint import _common as c
 
 
@@ -48,6 +54,41 @@ def test_resume_step_equals_uninterrupted_step(ranks2, tmp_path, optim_kind):
         assert r["report"].step == 2 and r["report"].saved_world_size == 2
     assert results[0]["saved"] == results[1]["saved"]
     assert results[0]["saved"].path == str(tmp_path / "step-2")
+
+
+def _one_rank_cannot_read(root: str) -> dict:
+    model = c.build("fsdp2", seed=0)
+    opt = c.optimizer(model, "adamw")
+    c.train_step(model, opt, 0)
+    ck.save(f"{root}/ckpt", model, opt)
+    fresh = c.build("fsdp2", seed=1)
+    fresh_opt = c.optimizer(fresh, "adamw")
+    before = c.full_values(fresh)
+    if dist.get_rank() == 1:  # a read error on this rank's disk alone (EIO cannot be made here)
+        failing = mock.patch.object(
+            _load, "safe_load", side_effect=OSError(errno.EIO, "Input/output error")
+        )
+    else:
+        failing = contextlib.nullcontext()
+    error = None
+    with failing:
+        try:
+            ck.load(f"{root}/ckpt", fresh, fresh_opt)
+        except ck.CheckpointError as exc:
+            error = (type(exc).__name__, str(exc))
+    return {"error": error, "changed": c.max_diff(before, c.full_values(fresh))}
+
+
+def test_a_rank_that_cannot_read_fails_the_load_on_every_rank(ranks2, tmp_path):
+    # Each rank reads its part alone (no DCP collective): the ranks still agree, at once.
+    first, second = ranks2.run(_one_rank_cannot_read, str(tmp_path))
+    assert first["error"] is not None
+    assert first["error"] == second["error"]
+    kind, message = first["error"]
+    assert kind == "CheckpointError"
+    assert "failed on rank 1: OSError" in message and "Input/output error" in message
+    assert str(tmp_path / "ckpt") in message
+    assert first["changed"] == second["changed"] == 0.0
 
 
 def _async_save_stages_a_copy(root: str) -> dict:
