@@ -167,12 +167,13 @@ def _model_targets(
 
 
 def _optim_targets(
-    model: nn.Module, current: dict[str, Any], metadata: Metadata, strict: bool
+    names: dict[int, list[str]], current: dict[str, Any], metadata: Metadata, strict: bool
 ) -> tuple[dict[str, Any], list[str]]:
-    """Buffers for the saved optimizer state: a state tensor shaped like its parameter is
-    sharded like the parameter's value in the model state ``current`` (a DTensor or a
-    torch FSDP1 ``ShardedTensor``), any other one is read whole."""
-    params = {name for names in _state.param_names(model).values() for name in names}
+    """Buffers for the saved optimizer state of the parameters ``names``
+    (``_state.param_names``): a state tensor shaped like its parameter is sharded like the
+    parameter's value in the model state ``current`` (a DTensor or a torch FSDP1
+    ``ShardedTensor``), any other one is read whole."""
+    params = {name for fqns in names.values() for name in fqns}
     target: dict[str, Any] = {}
     unexpected = set()
     for key, path in section_paths(metadata, "optim").items():
@@ -206,9 +207,12 @@ def _sharded(value: Any) -> bool:
 
 
 def _check_param_groups(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loaded: dict[str, Any],
+    names: dict[int, list[str]],
 ) -> None:
-    expected = _state.optimizer_param_groups(model, optimizer)
+    expected = _state.optimizer_param_groups(model, optimizer, names)
     got = [list(g.get("params", [])) for g in loaded.get("param_groups", [])]
     if [sorted(g) for g in got] != [sorted(g) for g in expected]:
         raise IncompatibleCheckpointError(
@@ -245,6 +249,8 @@ class _Targets:
     unexpected: list[str]
     #: The model's keys read straight into the model's own tensors (``in_place``).
     live: set[str] = field(default_factory=set)
+    #: ``_state.param_names(model)``, computed once for the optimizer's steps.
+    param_names: dict[int, list[str]] = field(default_factory=dict)
 
 
 def _targets(
@@ -264,6 +270,7 @@ def _targets(
     current = _state.model_state(model) if current is None else current
     model_target, missing, unexpected = _model_targets(current, metadata, strict, owned)
     state: dict[str, Any] = {"model": model_target}
+    names = _state.param_names(model) if optimizer is not None else {}
     if optimizer is not None:
         if not manifest.has_optimizer:
             if strict:
@@ -274,7 +281,7 @@ def _targets(
                 )
             missing = [*missing, "optim"]
         else:
-            state["optim"], optim_unexpected = _optim_targets(model, current, metadata, strict)
+            state["optim"], optim_unexpected = _optim_targets(names, current, metadata, strict)
             unexpected = [*unexpected, *optim_unexpected]
     stateful_target, stateful_missing = _stateful.load_targets(
         objects,
@@ -286,7 +293,7 @@ def _targets(
     )
     state.update(stateful_target)
     live = {k for k, v in model_target.items() if owned is not None and is_own(v, owned)}
-    return _Targets(state, [*missing, *stateful_missing], unexpected, live)
+    return _Targets(state, [*missing, *stateful_missing], unexpected, live, names)
 
 
 def _agreed(ranks: Ranks, fn: Callable[[], T]) -> T:
@@ -417,14 +424,15 @@ def load_with_state(
     read_started = time.monotonic()
     _read({**targets.state, "model": buffers}, folder, metadata, ranks)
     logger.info("rank %d read its buffers in %.3fs", ranks.rank, time.monotonic() - read_started)
-    if "optim" in targets.state:
-        _agreed(ranks, lambda: _check_param_groups(model, optimizer, targets.state["optim"]))
-    states = _agreed(
-        ranks,
-        lambda: _stateful.states_to_apply(
+
+    def check_and_reshard() -> dict[str, Any]:
+        if "optim" in targets.state:
+            _check_param_groups(model, optimizer, targets.state["optim"], targets.param_names)
+        return _stateful.states_to_apply(
             objects, targets.state, saved_world_size=manifest.world_size, ranks=ranks
-        ),
-    )
+        )
+
+    states = _agreed(ranks, check_and_reshard)  # neither step is collective: one agreement
     error = None
     for name, state in states.items():
         try:
@@ -441,7 +449,7 @@ def load_with_state(
     if in_place:  # collective (the agreement): every rank reads, also one with nothing in place
         _read({"model": {k: model_state[k] for k in targets.live}}, folder, metadata, ranks)
     if "optim" in targets.state:
-        _state.apply_optimizer_state(model, optimizer, targets.state["optim"])
+        _state.apply_optimizer_state(model, optimizer, targets.state["optim"], targets.param_names)
     return LoadReport(
         path=str(folder),
         step=manifest.step,

@@ -103,12 +103,17 @@ def param_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Clean FQNs of each parameter group's parameters, in the optimizer's order.
+def optimizer_param_groups(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, list[str]] | None = None,
+) -> list[list[str]]:
+    """Clean FQNs of each parameter group's parameters, in the optimizer's order
+    (``names``: :func:`param_names` of ``model``, when the caller has it already).
 
     ``ValueError`` if the optimizer holds a parameter that is not one of the model's.
     """
-    names = param_names(model)
+    names = param_names(model) if names is None else names
     held = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
     if any(key not in names for group in held for key in group):
         raise ValueError("the optimizer holds a parameter that is not a parameter of the model")
@@ -145,9 +150,13 @@ def holds_torch_fsdp1(model: nn.Module) -> bool:
 
 
 def apply_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    names: dict[int, list[str]] | None = None,
 ) -> None:
-    """Load sharded optimizer state keyed by clean FQNs (as :func:`optimizer_state` makes).
+    """Load sharded optimizer state keyed by clean FQNs (as :func:`optimizer_state` makes;
+    ``names``: :func:`param_names` of ``model``, when the caller has it already).
 
     torch FSDP1 models go through torch's ``set_optimizer_state_dict``, which converts
     per-parameter state into flat-parameter state. Every other wrapping holds one optimizer
@@ -168,7 +177,7 @@ def apply_optimizer_state(
     kit_names = {
         clean: kit
         for clean_group, kit_group in zip(
-            optimizer_param_groups(model, optimizer),
+            optimizer_param_groups(model, optimizer, names),
             _fqn_state.optimizer_param_groups(model, optimizer),
             strict=True,
         )

@@ -290,6 +290,14 @@ def complete(located: Located, ranks: Ranks) -> Completed:
                 done.repaired.append(f"{name} on {host}")
     if lost:
         raise _unavailable_error(located, sorted(set(lost)), damaged)
+    # Every rank decides alike (from gathered facts): with nothing to copy, describe or
+    # publish anywhere, the steps below would only agree that nothing happened.
+    leaders = [hosts.leader(host) for host in hosts.order]
+    if not transfers and all(
+        located.present[r] is not None and located.described[r] for r in leaders
+    ):
+        done.phases["copy"] = time.monotonic() - started
+        return done
     my_host = hosts.of_rank[located.rank]
     fresh = located.present[hosts.leader(my_host)] is None
     target = _layout.partial_path(located.folder, ranks.from_rank0(_layout.new_token()))
