@@ -29,7 +29,8 @@ save again, so the three do the same work after the kill.
 Also reported: the time from the kill to a trained step, the cells ours replayed and its
 replay phase against the build cell's own time when it first ran (target <= 1x), the
 parameter initializations the replay skipped, the bytes one snapshot holds per host (the
-snapshot record's ``bytes_per_host``) and, unless ``--cost-steps 0``, the training rate
+snapshot record's ``bytes_per_host``) and the restore's rate from them (target >= 2 GB/s
+per host), and, unless ``--cost-steps 0``, the training rate
 with a background snapshot every 10 steps against none (a loop of 20 steps with snapshots
 after steps 5 and 15, so that every background write overlaps later steps; the last write
 is awaited inside the timing). Target: ours <= 0.5x torchrun's time from the kill to the
@@ -72,6 +73,10 @@ TARGET = Target("<=", 0.5)
 REPLAY = "ours: the replay phase (the build cell, initialization skipped)"
 BUILD = "the build cell when it first ran"
 REPLAY_TARGET = Target("<=", 1.0)
+#: The restore phase's rate: the snapshot's bytes on its largest host over its seconds.
+RESTORE_RATE = "ours: the restore from host memory, GB per second per host"
+RATE_REFERENCE = "2 GB/s per host"
+RATE_TARGET = Target(">=", 1.0)
 #: A GPT-2 small enough for a smoke test (``--tiny``): the same code paths in seconds.
 TINY_CONFIG: dict[str, int] = {
     "n_layer": 2,
@@ -430,6 +435,13 @@ def measure(
             REPLAY: Stat(parts[f"{case}: ours: replay"], "s"),
             BUILD: Stat(parts[f"{case}: ours: build"], "s"),
         }
+        held = parts[f"{case}: ours: bytes_per_host"]
+        rate = Stat(
+            [b / t / 1e9 for b, t in zip(held, parts[f"{case}: ours: restore"], strict=True)],
+            "GB/s",
+        )
+        result.measurements[f"{case}: {RESTORE_RATE}"] = rate
+        rates = {RESTORE_RATE: rate, RATE_REFERENCE: Stat([2.0], "GB/s")}
         for row_case, times, subject, reference, target, note in (
             (restored, ready, OURS, TORCHRUN, TARGET, ""),
             (trained, stats, OURS, TORCHRUN, None, "no target: the first step included"),
@@ -443,6 +455,7 @@ def measure(
             ),
             (trained, stats, OURS, RESTART, None, "no target: ours beside the manual restart"),
             (f"{case}, the build cell", build, REPLAY, BUILD, REPLAY_TARGET, ""),
+            (f"{case}, the restore", rates, RESTORE_RATE, RATE_REFERENCE, RATE_TARGET, ""),
         ):
             result.comparisons.append(
                 Comparison(

@@ -2,8 +2,8 @@
 contender (``Pool.recover()``, a torchrun restart, a manual ``Pool.restart()``) recovers
 from a SIGKILL, ours by replaying the build cell alone with parameter initializations
 skipped (the benchmark fails otherwise), and the JSON records carry positive numbers, the
-ratios against both targets (ours against torchrun, the replay against the build cell's
-first run) and their verdicts. No timing is asserted (the figures are in
+ratios against the three targets (ours against torchrun, the replay against the build
+cell's first run, the restore's rate against 2 GB/s per host) and their verdicts. No timing is asserted (the figures are in
 docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.recovery import BUILD, OURS, REPLAY, RESTART, TORCHRUN
+from bench.recovery import (
+    BUILD,
+    OURS,
+    RATE_REFERENCE,
+    REPLAY,
+    RESTART,
+    RESTORE_RATE,
+    TORCHRUN,
+)
 from tests.bench._runs import run_module
 
 
@@ -35,6 +43,10 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
         assert 0 < ready["median"] < stat["median"]  # the first step comes after it
     held = measurements["2 ranks: one snapshot in host memory, per host"]
     assert held["unit"] == "B" and held["median"] > 0
+    rate = measurements[f"2 ranks: {RESTORE_RATE}"]  # the held bytes over the restore phase
+    restore = measurements["2 ranks: ours: restore"]
+    assert rate["unit"] == "GB/s"
+    assert rate["samples"] == [held["samples"][0] / restore["samples"][0] / 1e9]
     assert measurements["2 ranks: ours: skipped_inits"]["median"] > 0
     for name, stat in measurements.items():
         # Counts (page faults, preemptions, the load average) may be 0 on an idle host, and
@@ -49,6 +61,7 @@ def test_recovery_benchmark_measures_every_contender(tmp_path: Path) -> None:
     assert [(c["subject_name"], c["reference_name"]) for c in target] == [
         (OURS, TORCHRUN),
         (REPLAY, BUILD),
+        (RESTORE_RATE, RATE_REFERENCE),
     ]
     for comparison in target:
         assert comparison["ratio"] > 0
