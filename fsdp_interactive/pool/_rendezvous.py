@@ -44,14 +44,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import ipyparallel as ipp
+
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
 from fsdp_interactive.pool.common import _hosts, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
 from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
-from fsdp_interactive.pool.errors import PoolStartError
-from fsdp_interactive.pool.processes._launched import LaunchedProcesses
+from fsdp_interactive.pool.errors import PoolStartError, describe_exit
+from fsdp_interactive.pool.processes._launched import EngineProcess, LaunchedProcesses
 from fsdp_interactive.pool.rank import _bootstrap as rank_side
 from fsdp_interactive.pool.rank import _engine_shell
 from fsdp_interactive.pool.rank._bootstrap import SOCKET_IFNAME_VARS
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _REGISTRATION_POLL_S = 0.02
+#: How long a start-up step that saw an engine die waits for its process's end to show.
+_EXIT_NOTICE_S = 2.0
 
 NAMESPACE_SETUP = """\
 import torch
@@ -69,6 +73,21 @@ rank, world_size, local_rank, device = _fsdpi_rank_context()
 device = torch.device(device)
 del _fsdpi_rank_context
 """
+
+
+def _engine_death(exc: Exception) -> bool:
+    """Whether ipyparallel failed a request because its engine died (raised as is, or as
+    the ``RemoteError`` an ``AsyncResult`` carries it in)."""
+    return isinstance(exc, ipp.error.EngineError) or getattr(exc, "ename", None) == "EngineError"
+
+
+def _exited(engine: EngineProcess, when: str) -> str:
+    """What a start-up error says of an engine that ended: its pid, how it ended, when,
+    and the last lines of its log (where a crash report or a traceback is)."""
+    return (
+        f"engine process {engine.pid} exited {when} ({describe_exit(engine.exit_code())}); "
+        "last lines of its log:\n" + engine.output_tail()
+    )
 
 
 @dataclass
@@ -132,10 +151,7 @@ class Rendezvous:
         while len(self._client.ids) < n:
             exited = launched.exited_engines() if launched else []
             if exited:
-                raise PoolStartError(
-                    f"engine process {exited[0].pid} exited before registering; last lines "
-                    "of its log:\n" + exited[0].output_tail()
-                )
+                raise PoolStartError(_exited(exited[0], "before registering"))
             problem = launched.launch_problem() if launched else None
             if problem:
                 raise PoolStartError(
@@ -279,6 +295,15 @@ class Rendezvous:
         shown = self._log_level is not None
         return self.gather(send_requests(views, send, watched=shown), what, ranked=shown)
 
+    def _exited_engines(self, wait_s: float = 0.0) -> list[EngineProcess]:
+        """The launched engines that ended, waiting up to ``wait_s`` seconds for one to."""
+        if self._launched is None:
+            return []
+        end = time.monotonic() + wait_s
+        while not (exited := self._launched.exited_engines()) and time.monotonic() < end:
+            time.sleep(_POLL_S)
+        return exited
+
     def gather(
         self, handles: Mapping[int, Any], what: str, *, ranked: bool = False
     ) -> dict[int, Any]:
@@ -300,8 +325,9 @@ class Rendezvous:
                     break  # one failure is enough: peers may wait for it forever
                 if time.monotonic() > deadline:
                     raise PoolStartError(f"timed out after {self._timeout:g}s while {what}")
-                if self._launched is not None and self._launched.exited_engines():
-                    raise PoolStartError(f"an engine process exited while {what}")
+                exited = self._exited_engines()
+                if exited:
+                    raise PoolStartError(_exited(exited[0], f"while {what}"))
                 # Returns as soon as that call completes; the checks above run again
                 # at least every _POLL_S.
                 pending = next((h for h in handles.values() if not h.ready()), None)
@@ -318,6 +344,7 @@ class Rendezvous:
                 printer.flush()
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        engine_died = False
         for key, handle in handles.items():
             if not handle.ready():
                 continue
@@ -325,7 +352,12 @@ class Rendezvous:
                 results[key] = handle.get(0)
             except Exception as exc:
                 failures[key] = traceback_text(exc)
+                engine_died = engine_died or _engine_death(exc)
         if failures:
+            # ipyparallel's "Engine N died" says nothing of why: the process's end does.
+            exited = self._exited_engines(_EXIT_NOTICE_S) if engine_died else []
+            if exited:
+                raise PoolStartError(_exited(exited[0], f"while {what}"))
             first = min(failures)
             raise PoolStartError(f"failed while {what} (rank/engine {first}):\n{failures[first]}")
         log.debug("%s took %.2fs", what, time.monotonic() - began)

@@ -83,6 +83,36 @@ def test_engines_that_never_register_time_out_and_are_stopped(profile_dir):
     assert wait_gone(pool.launched_pids) == []
 
 
+_DIES_WHEN_DESCRIBED = """
+import os, sys
+from fsdp_interactive.pool.common import _hosts
+
+def _dies(*args, **kwargs):
+    os.write(2, b"engine gives up while describing itself\\n")  # its log, not the request's
+    os._exit(7)
+
+_hosts.versions = _dies  # first called when the pool asks the engine to describe itself
+from ipyparallel.engine.app import main
+sys.exit(main())
+"""
+
+
+def test_an_engine_that_exits_after_registering_is_reported_with_its_status_and_log(
+    profile_dir,
+):
+    pool = Pool(
+        n=2, devices="cpu", timeout=60, profile_dir=profile_dir,
+        config=_engines_that(_DIES_WHEN_DESCRIBED),
+    )  # fmt: skip
+    with pytest.raises(PoolStartError, match=r"exited while describing engines") as info:
+        pool.start()
+    record(pool)
+    assert "(exit code 7)" in str(info.value)
+    assert "engine gives up while describing itself" in str(info.value)
+    assert pool.state == "stopped"
+    assert still_running(pool.launched_pids) == [] or wait_gone(pool.launched_pids) == []
+
+
 def test_engines_that_exit_at_start_are_reported_with_their_log(profile_dir):
     pool = Pool(
         n=2,
