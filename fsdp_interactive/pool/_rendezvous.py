@@ -149,7 +149,7 @@ class Rendezvous:
         began = time.monotonic()
         launched = self._launched
         while len(self._client.ids) < n:
-            exited = launched.exited_engines() if launched else []
+            exited = self._exited_engines()
             if exited:
                 raise PoolStartError(_exited(exited[0], "before registering"))
             problem = launched.launch_problem() if launched else None
