@@ -6,9 +6,9 @@ cell number, targets, outcome, duration, whether it may be replayed (``%%fsdp
 --no-replay`` says never, ``%%fsdp --replay`` always, by default the recovery's slice
 decides, :mod:`._slice`), the snapshots taken while it ran, and what the ranks saw it do
 (names it rebound or reshaped where its code does not say so, the random generators at its
-start and end: :meth:`Journal.note_cell`, from the notice each rank sends after the cell,
-:mod:`.rank._cell_watch`). Calls the package makes for itself (probes, panels) are not
-entries.
+start and end, its parameter initialization calls: :meth:`Journal.note_cell`, from the
+notice each rank sends after the cell, :mod:`.rank._cell_watch`). Calls the package makes
+for itself (probes, panels) are not entries.
 
 Entries belong to an *epoch*: the life of one process group. ``restart()`` starts an
 epoch with nothing behind it (an empty group); a recovery to snapshot ``S`` starts an
@@ -80,6 +80,11 @@ class JournalEntry:
     #: What the journal shows for the call instead of ``source`` (the magic line that
     #: generated the code), ``None``: its source.
     shown: str | None = None
+    #: Each rank's parameter initialization calls, in order: ``(function, shape,
+    #: locations of the objects holding the tensor when the call ended)``.
+    inits: dict[int, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = field(
+        default_factory=dict
+    )
 
     @property
     def replayable(self) -> bool:
@@ -121,6 +126,9 @@ class Journal:
         self.epochs: list[Epoch] = [Epoch(0)]
         #: Every rank's random generators at the start and end of each entry.
         self.generators = GeneratorStates()
+        #: The public names rank 0's namespace held after the last call it reported (what
+        #: a recovery's report compares with what it brought back).
+        self.names: set[str] = set()
 
     @property
     def epoch(self) -> Epoch:
@@ -188,6 +196,14 @@ class Journal:
         rank = notice.get("rank")
         if isinstance(rank, int) and entry.replay is not False:
             self.generators.note(entry.id, rank, notice)
+            inits = notice.get("inits")
+            if isinstance(inits, list):
+                entry.inits[rank] = [
+                    (str(f), tuple(int(n) for n in shape), tuple(str(w) for w in where))
+                    for f, shape, where in inits
+                ]
+        if rank == 0 and isinstance(notice.get("names"), list):
+            self.names = {str(n) for n in notice["names"]}
 
     def replay_for(self, entry_id: int | None) -> list[JournalEntry]:
         """The entries a recovery chooses from to rebuild the objects a snapshot taken

@@ -55,6 +55,12 @@ from fsdp_interactive.pool._recovery_checks import (
     check_snapshot,
     check_world,
 )
+from fsdp_interactive.pool._recovery_report import (
+    RecoveryReport,
+    calls_text,
+    lost_names,
+    rebuilt_names,
+)
 from fsdp_interactive.pool._slice import ReplaySlice, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError
@@ -64,10 +70,6 @@ from fsdp_interactive.pool.rank._snapshot_calls import restore_here
 Pool = Any
 
 log = logging.getLogger(__name__)
-
-
-def _calls(count: int) -> str:
-    return f"{count} call" if count == 1 else f"{count} calls"
 
 
 @dataclass(frozen=True)
@@ -95,65 +97,15 @@ class RecoveryPlan:
 
     def lines(self) -> list[str]:
         cells = ", ".join(e.label for e in self.replay) or "none"
-        lines = [f"recover to the {self.target}", f"replay {_calls(len(self.replay))}: {cells}"]
+        lines = [
+            f"recover to the {self.target}",
+            f"replay {calls_text(len(self.replay))}: {cells}",
+        ]
         lines += [f"  {line}" for line in self.sliced.lines()]
         if self.dropped_hosts:
             lines.append(f"without hosts {', '.join(self.dropped_hosts)} (lost)")
         if self.world_size is not None:
             lines.append(f"on {self.world_size} ranks")
-        return lines
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What a recovery did: the ``plan``, the snapshot it went back to (``snapshot``; may
-    differ from the plan's when a newer one was found or the planned one was refused),
-    the calls it ``replayed``, the new ``world_size``, the seconds of each phase and the
-    ranks' own restore report (``restored``: rank 0's)."""
-
-    plan: RecoveryPlan
-    snapshot: SnapshotInfo | None
-    replayed: tuple[JournalEntry, ...]
-    world_size: int
-    phases: Mapping[str, float] = field(default_factory=dict)
-    restored: Any = None
-    refused: tuple[str, ...] = ()
-    #: What the replay did beyond running the entries (:class:`~._replay.ReplayOutcome`).
-    replay_outcome: _replay.ReplayOutcome | None = None
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
-
-    def summary(self) -> str:
-        """``recovered to the snapshot s000004 of step 40 (taken 12 s ago) in 4.1 s``."""
-        target = self.plan.target if self.snapshot is None else self.snapshot.describe()
-        return f"recovered to the {target} in {self.seconds:.1f} s"
-
-    def lines(self) -> list[str]:
-        cells = ", ".join(e.label for e in self.replayed) or "none"
-        phases = ", ".join(f"{name} {secs:.2f} s" for name, secs in self.phases.items())
-        lines = [
-            self.summary(),
-            f"{self.world_size} ranks; replayed {_calls(len(self.replayed))}: {cells}",
-            f"phases: {phases}",
-        ]
-        outcome = self.replay_outcome
-        if outcome is not None and outcome.skipped_inits:
-            lines.append(
-                f"replay: {outcome.skipped_inits} parameter initializations skipped (the "
-                f"snapshot overwrites them), {outcome.run_inits} run"
-            )
-        if outcome is not None:
-            lines += [
-                f"replay: {label} ran without rank(s) {', '.join(map(str, ranks))}'s original "
-                "random generators (their report was lost with the rank)"
-                for label, ranks in outcome.without_generators
-            ]
-        lines += [f"refused: {reason}" for reason in self.refused]
         return lines
 
     def __str__(self) -> str:
@@ -231,7 +183,19 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             start_group(pool, world=plan.world_size, drop_hosts=())
             lap("start")
         names = None if target is None else target.names
-        outcome = _replay_slice(pool, sliced, _replay.restored_locations(names), say)
+        locations = _replay.restored_locations(names)
+        again = ""
+        try:
+            outcome = _replay_slice(pool, sliced, locations, say)
+        except _replay.InitsLeftUnset as unset:
+            # Never a success over uninitialized memory: the slow way, every draw made.
+            again = str(unset)
+            say(f"recovery: {unset}; replaying again with every initialization run")
+            lap("replay")
+            end_group(pool)
+            start_group(pool, world=plan.world_size, drop_hosts=())
+            lap("start")
+            outcome = _replay_slice(pool, sliced, locations, say, skip_inits=False)
         lap("replay")
         source = plan.checkpoint if target is None else target.id
         try:
@@ -244,7 +208,12 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             lap("restore")
             continue
         lap("restore")
-        pool.journal.set_base(sliced.replay, None if target is None else target.id)
+        journal = pool.journal
+        journal.set_base(sliced.replay, None if target is None else target.id)
+        after = set(restored.pop("defined", ()))
+        call = None if target is None else target.call
+        lost = lost_names(journal.names, after, journal.entries, sliced, call)
+        journal.names = after
         return RecoveryReport(
             plan,
             target,
@@ -254,6 +223,9 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             restored,
             tuple(refused),
             outcome,
+            rebuilt_names(after, restored.get("names") or {}),
+            lost,
+            again,
         )
     _fresh_group(pool)
     raise RecoveryError(
@@ -284,11 +256,25 @@ def _candidates(pool: Pool, plan: RecoveryPlan) -> list[SnapshotInfo | None]:
 
 
 def _replay_slice(
-    pool: Pool, sliced: ReplaySlice, restored: Sequence[str], say: Callable[[str], None]
+    pool: Pool,
+    sliced: ReplaySlice,
+    restored: Sequence[str],
+    say: Callable[[str], None],
+    *,
+    skip_inits: bool = True,
 ) -> _replay.ReplayOutcome:
-    """The replay phase (:mod:`._replay`); the first failure ends the recovery."""
+    """The replay phase (:mod:`._replay`); the first failure ends the recovery
+    (:class:`~._replay.InitsLeftUnset` is the caller's, when ``skip_inits``)."""
     try:
-        return _replay.replay(pool, sliced, restored, say)
+        return _replay.replay(pool, sliced, restored, say, skip_inits=skip_inits)
+    except _replay.InitsLeftUnset:
+        if skip_inits:
+            raise
+        _fresh_group(pool)
+        raise RecoveryError(
+            "the replay left parameters uninitialized although it skipped no "
+            "initialization, so the recovery stopped; the pool runs a fresh, empty group"
+        ) from None
     except _replay.ReplayFailed as failed:
         _fresh_group(pool)
         error = failed.error

@@ -27,9 +27,8 @@ other entry is skipped, with why: a training loop, an evaluation, a save or a pr
 *uses* the restored objects, and the snapshot holds what it did to them. ``--no-replay``
 keeps an entry out whatever it does.
 
-The init-skipping mark (:attr:`Part.skip_init`) goes on the entries replayed for the
-model's root or what it is built from: their parameters' initial values are overwritten by
-the snapshot, so the replay need not draw them (:mod:`.rank._init_deferral`).
+Which initializations a replayed entry may skip is not the slice's to say: it follows
+from where each initialized tensor ended (:func:`~._replay.restored_suffix`).
 
 A snapshot without recorded locations (taken by older versions) keeps the former rule:
 every candidate is replayed.
@@ -55,8 +54,6 @@ class Part:
     entry: JournalEntry
     replay: bool
     why: str
-    #: Replayed for the model's root: parameter initialization may be skipped.
-    skip_init: bool = False
 
     def line(self) -> str:
         """``In[2] defines model, optim`` or ``In[5] skipped: defines nothing the
@@ -76,11 +73,6 @@ class ReplaySlice:
     def replay(self) -> tuple[JournalEntry, ...]:
         return tuple(p.entry for p in self.parts if p.replay)
 
-    @property
-    def skip_init(self) -> frozenset[int]:
-        """Ids of the replayed entries whose parameter initialization may be skipped."""
-        return frozenset(p.entry.id for p in self.parts if p.replay and p.skip_init)
-
     def lines(self) -> list[str]:
         return [p.line() for p in self.parts]
 
@@ -88,13 +80,12 @@ class ReplaySlice:
 @dataclass
 class _Need:
     why: str
-    model: bool  # on the model's chain (for init skipping)
     restored: bool  # a root the snapshot restores into
 
 
-def roots_of(names: Mapping[str, Any] | None) -> dict[str, tuple[str, bool]] | None:
-    """``{root name: (what it holds for the snapshot, holds the model)}`` from a snapshot's
-    recorded locations; ``None`` when the model's location is unknown."""
+def roots_of(names: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """``{root name: what it holds for the snapshot}`` from a snapshot's recorded
+    locations; ``None`` when the model's location is unknown."""
     if not names or not isinstance(names.get("model"), str):
         return None
     located: list[tuple[str, str]] = [
@@ -107,12 +98,12 @@ def roots_of(names: Mapping[str, Any] | None) -> dict[str, tuple[str, bool]] | N
         for keyword, path in (names.get("stateful") or {}).items()
         if isinstance(path, str)
     ]
-    roots: dict[str, tuple[str, bool]] = {}
+    roots: dict[str, str] = {}
     for path, label in located:
         root = path.split(".", 1)[0]
         shown = label if path == root else f"{label} ({path})"
-        what, model = roots.get(root, ("", False))
-        roots[root] = (f"{what}, {shown}" if what else shown, model or label == "the model")
+        what = roots.get(root, "")
+        roots[root] = f"{what}, {shown}" if what else shown
     return roots
 
 
@@ -126,7 +117,7 @@ def slice_for(candidates: Sequence[JournalEntry], names: Mapping[str, Any] | Non
     roots = roots_of(names)
     if roots is None:
         return _every_candidate(candidates)
-    need = {root: _Need(f"restores {what}", model, True) for root, (what, model) in roots.items()}
+    need = {root: _Need(f"restores {what}", True) for root, what in roots.items()}
     modules = set(PREFILLED_MODULES).union(*(e.effects.imports for e in candidates))
     parts: list[Part] = []
     for entry in reversed(candidates):
@@ -179,16 +170,15 @@ def _part(entry: JournalEntry, need: dict[str, _Need], modules: set[str], roots:
     if settings:
         reasons.append(f"changes the process ({_names(settings[:3])})")
     if reasons:
-        model_chain = any(need[n].model for n in [*defined, *changed])
         for name in fx.kills & set(defined):
             if name not in changed:
                 del need[name]
         for name in sorted(fx.reads):
-            need.setdefault(name, _Need(f"read by {entry.label}", model_chain, False))
-        return Part(entry, True, "; ".join(reasons), skip_init=model_chain)
+            need.setdefault(name, _Need(f"read by {entry.label}", False))
+        return Part(entry, True, "; ".join(reasons))
     if fx.definitions_only:
         for name in sorted(fx.reads_now):
-            need.setdefault(name, _Need(f"read by {entry.label}", False, False))
+            need.setdefault(name, _Need(f"read by {entry.label}", False))
         what = "only imports and defines functions, classes and constants"
         return Part(entry, True, f"{what}: kept for the cells run after the recovery")
     used = sorted(n for n in roots if n in fx.reads or n in fx.mutates)

@@ -39,6 +39,7 @@ from fsdp_interactive.pool.rank import (
     _bootstrap,
     _cell_watch,
     _debugger,
+    _init_deferral,
     _results,
     _tqdm_auto,
 )
@@ -179,20 +180,25 @@ def _install_hooks(shell: Any) -> None:
         # First, so that IPython's own cleanup (leading blank lines, common indentation,
         # pasted prompts) sees the cell's code as the notebook has it.
         shell.input_transformers_cleanup.insert(0, _take_cell_mark)
-        install_rank_bars()
+        prepare_process()
         _hooked = True
 
 
-def install_rank_bars() -> None:
-    """Make ``tqdm.auto`` in this process give the rank bar, publishing through the shell
-    of the engine it runs in when it draws (again: nothing changes).
+def prepare_process() -> None:
+    """Before any cell's imports: make ``tqdm.auto`` in this process give the rank bar,
+    publishing through the shell of the engine it runs in when it draws, and wrap the
+    parameter initialization functions (:func:`._init_deferral.install`). Again: nothing
+    changes.
 
     The engine forker calls it before importing what cells import (warm imports): it has
     loaded ``ipykernel``, so ``tqdm.auto`` imported there would otherwise pick the notebook
     widget, and a module that binds its class at import (``from tqdm.auto import tqdm``:
-    ``transformers``, ``tqdm.contrib``) would hand that widget to every engine forked after.
+    ``transformers``, ``tqdm.contrib``) would hand that widget to every engine forked after;
+    a module that binds an initialization function by name binds the wrapper, as it does
+    when a cell imports it in the first group.
     """
     _tqdm_auto.install(_publish_bar)
+    _init_deferral.install()
 
 
 def _publish_bar(data: dict[str, Any], display_id: str, update: bool) -> None:
