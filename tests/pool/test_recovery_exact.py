@@ -109,3 +109,25 @@ def test_a_model_the_snapshot_does_not_hold_comes_back_as_built_at_4_ranks(profi
     finally:
         record(pool)
         pool.stop()
+
+
+def test_a_skipped_tensor_the_snapshot_does_not_write_makes_the_replay_run_every_draw(pool):
+    # In[1]'s Linear ended under `model`, which the snapshot restores; but In[2] moved it
+    # to `other` and built a new `model`. Its skipped initialization is found unset, and
+    # the replay runs again drawing everything: `other` comes back as In[1] built it.
+    pool.restart()
+    pool.run("import torch, fsdp_interactive\ntorch.manual_seed(3)\nmodel = torch.nn.Linear(8, 8)")
+    pool.run(
+        "other = model\nmodel = torch.nn.Linear(8, 8)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        cell=2,
+    )
+    built = values(pool, "other.weight.sum().item(), model.weight.sum().item()")
+    pool.run("fsdp_interactive.snapshot(model=model, optimizer=opt)", cell=3)
+    with pytest.raises(RankDied):
+        pool.run(KILL_RANK_1, cell=4, stream=False)
+    report = pool.recover()
+    assert values(pool, "other.weight.sum().item(), model.weight.sum().item()") == built
+    assert report.replayed_again.startswith("the replay skipped the initialization of other.")
+    assert "replay: ran again with every initialization" in str(report)
+    assert report.replay_outcome.skipped_inits == 0
