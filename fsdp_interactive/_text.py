@@ -1,4 +1,5 @@
-"""Plain-text formatting shared by every layer: byte sizes, numbers, fixed-width tables.
+"""Plain-text formatting shared by every layer: byte sizes, numbers, fixed-width tables,
+the objects a snapshot holds.
 
 A leaf module: it imports nothing from the package, so the notebook views, the demo and
 the command line can all use it without depending on one another.
@@ -63,3 +64,16 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(headers), line(["-" * w for w in widths])]
     out.extend(line(row) for row in cells)
     return "\n".join(out)
+
+
+def snapshot_objects(names: Any) -> str:
+    """The objects a snapshot holds, by where they were (a snapshot record's ``names``):
+    ``model, optim, sched`` (a stateful keyword shown as ``keyword=where`` when its
+    variable has another name; ``?`` for an object found nowhere)."""
+    names = names if isinstance(names, dict) else {}
+    shown = [str(names.get("model") or "?")]
+    if names.get("optimizer"):
+        shown.append(str(names["optimizer"]))
+    for keyword, where in (names.get("stateful") or {}).items():
+        shown.append(str(keyword) if where == keyword else f"{keyword}={where or '?'}")
+    return ", ".join(shown)

@@ -45,7 +45,7 @@ def test_a_notebook_snapshots_shows_its_journal_and_recovers_after_a_death(
     cell(pool_shell, "--no-replay", STEP * 2)
     pool_shell.run_line_magic("fsdp", "snapshot model optim --step step")
     out, _ = capsys.readouterr()
-    assert "took snapshot s" in out and "of step 2" in out
+    assert "took snapshot s" in out and "of step 2 of model, optim" in out
     saved = weights(pool)
     cell(pool_shell, "--no-replay", STEP)  # past the snapshot
 
