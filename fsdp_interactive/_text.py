@@ -77,3 +77,17 @@ def snapshot_objects(names: Any) -> str:
     for keyword, where in (names.get("stateful") or {}).items():
         shown.append(str(keyword) if where == keyword else f"{keyword}={where or '?'}")
     return ", ".join(shown)
+
+
+def first_line(text: str, width: int = 48) -> str:
+    """The first non-blank line of ``text``, stripped, cut to ``width`` with ``...``."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def call_label(call: int | None, cell: int | None, code: str) -> str:
+    """How a notebook call is named to the user: ``In[12]`` for notebook cell 12, else the
+    call's number and its first line, ``call 7 "train(0, 2)"``."""
+    if cell is not None:
+        return f"In[{cell}]"
+    return f'call {call} "{first_line(code, 40)}"'

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fsdp_interactive.pool._recovery import RecoveryPlan, RecoveryReport, execute, make_plan
 from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
 from fsdp_interactive.pool._state import PoolHealth, PoolState
-from fsdp_interactive.pool.errors import START, PoolNotRunning
+from fsdp_interactive.pool.errors import START, PoolNotRunning, RecoveryError
 
 if TYPE_CHECKING:
     from fsdp_interactive.pool._faults import PoolFaults
@@ -69,7 +69,13 @@ class FaultCalls:
         shown = say or _print
         with self._faults.recovering():
             self._faults.notice()  # a rank dead since the last call: no check asks the ranks
-            plan = make_plan(self, from_, world)
+            try:
+                plan = make_plan(self, from_, world)
+            except RecoveryError as refused:
+                planned = getattr(refused, "plan", None)
+                if dry_run and planned is not None:
+                    shown(str(planned))
+                raise
             if dry_run:
                 shown(str(plan))
                 return plan

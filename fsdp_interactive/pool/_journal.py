@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fsdp_interactive._text import text_table
+from fsdp_interactive._text import call_label, first_line, text_table
 from fsdp_interactive.pool._cell_effects import CellEffects, effects_of
 from fsdp_interactive.pool._generator_states import GeneratorStates
 from fsdp_interactive.pool.errors import RankDied
@@ -98,13 +98,11 @@ class JournalEntry:
 
     @property
     def label(self) -> str:
-        """``In[12]`` for a cell, ``call 7`` otherwise."""
-        return f"In[{self.cell}]" if self.cell is not None else f"call {self.id}"
+        """``In[12]`` for a cell, else its number and first line: ``call 7 "train(0, 2)"``."""
+        return call_label(self.id, self.cell, self.source if self.shown is None else self.shown)
 
     def first_line(self, width: int = 48) -> str:
-        text = self.source if self.shown is None else self.shown
-        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-        return line if len(line) <= width else line[: width - 3] + "..."
+        return first_line(self.source if self.shown is None else self.shown, width)
 
 
 @dataclass(frozen=True)

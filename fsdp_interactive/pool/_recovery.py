@@ -51,6 +51,7 @@ from fsdp_interactive.pool._journal import JournalEntry
 from fsdp_interactive.pool._recovery_checks import (
     FROM_FOLDER,
     TAKE_SNAPSHOT,
+    check_findable,
     check_folder,
     check_snapshot,
     check_world,
@@ -61,7 +62,7 @@ from fsdp_interactive.pool._recovery_report import (
     lost_names,
     rebuilt_names,
 )
-from fsdp_interactive.pool._slice import ReplaySlice, slice_for
+from fsdp_interactive.pool._slice import Part, ReplaySlice, beside, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError
 from fsdp_interactive.pool.rank._snapshot_calls import restore_here
@@ -87,6 +88,8 @@ class RecoveryPlan:
     pinned: bool = False
     #: Every candidate entry's part in the replay, and why.
     sliced: ReplaySlice = field(default_factory=ReplaySlice)
+    #: The journal's other entries since the snapshot's epoch, and why none is replayed.
+    beside: tuple[Part, ...] = ()
 
     @property
     def target(self) -> str:
@@ -101,7 +104,8 @@ class RecoveryPlan:
             f"recover to the {self.target}",
             f"replay {calls_text(len(self.replay))}: {cells}",
         ]
-        lines += [f"  {line}" for line in self.sliced.lines()]
+        parts = sorted([*self.sliced.parts, *self.beside], key=lambda part: part.entry.id)
+        lines += [f"  {part.line()}" for part in parts]
         if self.dropped_hosts:
             lines.append(f"without hosts {', '.join(self.dropped_hosts)} (lost)")
         if self.world_size is not None:
@@ -148,7 +152,22 @@ def make_plan(
             )
     check_snapshot(pool, snapshot, pinned=from_ is not None)
     sliced = slice_for(journal.replay_for(snapshot.call), snapshot.names)
-    return RecoveryPlan(snapshot, None, sliced.replay, world, dropped, from_ is not None, sliced)
+    plan = RecoveryPlan(
+        snapshot,
+        None,
+        sliced.replay,
+        world,
+        dropped,
+        from_ is not None,
+        sliced,
+        tuple(beside(journal.entries, sliced, snapshot.call, journal.epoch.number)),
+    )
+    try:
+        check_findable(journal, book, snapshot, sliced)
+    except RecoveryError as refused:
+        refused.plan = plan  # a dry run shows it with the refusal
+        raise
+    return plan
 
 
 def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> RecoveryReport:

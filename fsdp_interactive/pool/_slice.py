@@ -76,6 +76,39 @@ class ReplaySlice:
     def lines(self) -> list[str]:
         return [p.line() for p in self.parts]
 
+    def defines(self, name: str) -> bool:
+        """Whether a replayed entry binds ``name`` (in its code, as the ranks saw, or in
+        code that could not be read)."""
+        return any(
+            not p.entry.effects.parsed or name in p.entry.effects.defines or name in p.entry.rebound
+            for p in self.parts
+            if p.replay
+        )
+
+
+def beside(
+    entries: Sequence[JournalEntry], sliced: ReplaySlice, call: int | None, epoch: int
+) -> list[Part]:
+    """The journal's other entries since the epoch of the snapshot's entry ``call`` (the
+    current ``epoch`` for a snapshot taken outside any entry), each with why a recovery to
+    it does not replay them: the entry that took the snapshot, those after it, those that
+    failed or were cut short."""
+    candidates = {p.entry.id for p in sliced.parts}
+    taken = next((e for e in entries if e.id == call), None)
+    first_epoch = taken.epoch if taken is not None else epoch
+    found = []
+    for entry in entries:
+        if entry.id in candidates or entry.epoch < first_epoch or entry.outcome == "running":
+            continue
+        if entry.id == call:
+            why = "took the snapshot, which holds what it did until then"
+        elif entry.outcome != "ok":
+            why = f"ended with {entry.outcome}"
+        else:
+            why = "ran after the snapshot was taken: run it again after the recovery"
+        found.append(Part(entry, False, why))
+    return found
+
 
 @dataclass
 class _Need:

@@ -179,11 +179,17 @@ def test_objects_in_attributes_are_recorded_there_and_found_again(fresh):
     fingerprint = helpers(str(tmp_path)).replace("model.", "box.net.").replace("optim.", "box.opt.")
     pool.run(fingerprint, cell=2, stream=False)
     take = "fsdp_interactive.snapshot(model=box.net, optimizer=box.opt).names"
-    # A variable is preferred to an attribute path.
+    # The path given is recorded, though variables hold the same objects.
     taken = values(pool, take)[0]
-    assert taken == {"model": "model", "optimizer": "optim", "stateful": {}}
+    assert taken == {"model": "box.net", "optimizer": "box.opt", "stateful": {}}
+    # Given through a function's own names, the objects are searched for: a variable
+    # is preferred to an attribute path.
+    search = (
+        "(lambda m, o: fsdp_interactive.snapshot(model=m, optimizer=o))(box.net, box.opt).names"
+    )
+    assert values(pool, search)[0] == {"model": "model", "optimizer": "optim", "stateful": {}}
     pool.run("del model, optim", cell=3, stream=False)
-    taken = ast.literal_eval(pool.run(take, cell=4, stream=False).results[0])
+    taken = ast.literal_eval(pool.run(search, cell=4, stream=False).results[0])
     assert taken == {"model": "box.net", "optimizer": "box.opt", "stateful": {}}
     saved = values(pool, "fingerprint()")
     kill_rank_1(pool, cell=5)

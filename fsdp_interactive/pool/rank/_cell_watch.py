@@ -191,6 +191,8 @@ class _Watch:
     held: dict[str, tuple[int, Any]] = field(default_factory=dict)
     shapes: dict[int, dict[str, Any]] = field(default_factory=dict)
     inits: _init_deferral.InitRecorder | None = None
+    label: str = ""
+    kept_out: bool = False
 
 
 _watch: _Watch | None = None
@@ -204,6 +206,27 @@ _replaying: int | None = None
 #: The initialization calls of the replayed entry running now, and of those that ran.
 _skipper: _init_deferral.InitSkipper | None = None
 _skippers: list[_init_deferral.InitSkipper] = []
+#: What the next call is shown as and whether it is kept out of every recovery (set from
+#: its first line, :mod:`._engine_shell`).
+_next_label, _next_kept_out = "", False
+#: The public names of the namespace when the replayed entry running now started.
+_replay_held: dict[str, tuple[int, Any]] = {}
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """How a public name was last bound on this rank: by the call ``label``, the object
+    ``ident`` (with a weak reference where one can be taken), and why a recovery would not
+    bind it again (``None``: it would)."""
+
+    label: str
+    why_not: str | None
+    ident: int
+    ref: Any
+
+
+#: Every public name a journaled call or a replay bound, as last bound.
+_bindings: dict[str, _Binding] = {}
 
 
 def _public(namespace: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,13 +271,60 @@ def replaying_entry(entry: int | None) -> None:
     _next_replay = entry
 
 
+def next_call(label: str, kept_out: bool) -> None:
+    """The call about to run is shown as ``label`` (``In[3]``) and, with ``kept_out``, is
+    never replayed by a recovery (``%%fsdp --no-replay``)."""
+    global _next_label, _next_kept_out
+    _next_label, _next_kept_out = label, kept_out
+
+
+def _rebound(before: Mapping[str, tuple[int, Any]], now: Mapping[str, tuple[int, Any]]):
+    return sorted(
+        name
+        for name, (ident, ref) in now.items()
+        if name not in before
+        or before[name][0] != ident
+        or (before[name][1] is not None and before[name][1]() is None)
+    )
+
+
+def _bind(names: Sequence[str], now: Mapping[str, tuple[int, Any]], label: str, why_not):
+    for name in names:
+        ident, ref = now[name]
+        _bindings[name] = _Binding(label, why_not, ident, ref)
+
+
+def judge(name: str, value: Any) -> str | None:
+    """Why a recovery would not bind ``name`` (holding ``value`` now) again, for
+    :func:`fsdp_interactive._notices.unreplayed`; ``None`` when it would."""
+    watch = _watch
+    if watch is not None:
+        before = watch.held.get(name)
+        if before is None or before[0] != id(value):
+            return (
+                f"{watch.label or 'the call taking the snapshot'} binds {name!r}, and a "
+                "recovery replays only the calls before the one that took the snapshot"
+            )
+    binding = _bindings.get(name)
+    if binding is None or binding.ident != id(value) or (binding.ref and binding.ref() is None):
+        return (
+            f"no %%fsdp cell or Pool.run call bound {name!r} to what it holds now (Pool.push, "
+            "%fsdp push or Pool.call did), so a recovery would not bind it again"
+        )
+    return binding.why_not
+
+
 def before_cell(namespace: Mapping[str, Any]) -> None:
     """IPython ``pre_run_cell``: note the start of a journaled call, or set up a replay."""
     global _watch, _replaying, _skipper, _next_replay
     _watch = None
     replayed, _next_replay = _next_replay, None
+    label, kept_out = _next_label, _next_kept_out
+    next_call("", False)
     if replayed is not None and _notices.replaying():
         _replaying = replayed
+        _replay_held.clear()
+        _replay_held.update(_held(namespace))
         plan = _replay_plan.get(replayed, {})
         _set_generators(plan.get("start"), replayed)
         skip = plan.get("skip_init") or {}
@@ -266,14 +336,16 @@ def before_cell(namespace: Mapping[str, Any]) -> None:
         return
     try:
         _watch = _Watch(call, capture_generators(), _held(namespace), _shapes(namespace))
+        _watch.label, _watch.kept_out = label, kept_out
         _watch.inits = _init_deferral.InitRecorder()
         _watch.inits.start()
     except Exception as error:  # never fail the user's cell for the journal's sake
         log.warning("could not note the state before call %s: %s", call, error)
 
 
-def after_cell(namespace: Mapping[str, Any]) -> None:
-    """IPython ``post_run_cell``: end a replayed entry, or report a journaled call."""
+def after_cell(namespace: Mapping[str, Any], *, failed: bool = False) -> None:
+    """IPython ``post_run_cell``: end a replayed entry, or report a journaled call
+    (``failed``: the cell raised)."""
     global _watch, _replaying, _skipper
     if _replaying is not None:
         entry, _replaying = _replaying, None
@@ -282,12 +354,29 @@ def after_cell(namespace: Mapping[str, Any]) -> None:
             _skippers.append(_skipper)
             _skipper = None
         _set_generators(_replay_plan.get(entry, {}).get("end"), entry)
+        now = _held(namespace)
+        _bind(_rebound(_replay_held, now), now, f"replayed entry {entry}", None)
         return
     watch, _watch = _watch, None
     if watch is None:
         return
     if watch.inits is not None:
         watch.inits.stop()
+    try:
+        now = _held(namespace)
+        label = watch.label or f"call {watch.call}"
+        why_not = (
+            f"only {label} binds it, and {label} is marked --no-replay"
+            if watch.kept_out
+            else f"only {label} binds it, and {label} failed"
+            if failed
+            else None
+        )
+        _bind(_rebound(watch.held, now), now, label, why_not)
+        for gone in set(_bindings) - set(now):
+            del _bindings[gone]
+    except Exception as error:
+        log.warning("could not note what call %s bound: %s", watch.call, error)
     try:
         _notices.publish(_report(watch, namespace))
     except Exception as error:
@@ -314,13 +403,7 @@ def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
             states[mark] = state
     _sent.update(states)
     now = _held(namespace)
-    rebound = sorted(
-        name
-        for name, (ident, ref) in now.items()
-        if name not in watch.held
-        or watch.held[name][0] != ident
-        or (watch.held[name][1] is not None and watch.held[name][1]() is None)
-    )
+    rebound = _rebound(watch.held, now)
     reshaped = {}
     for name, value in _public(namespace).items():
         before = watch.shapes.get(id(value))

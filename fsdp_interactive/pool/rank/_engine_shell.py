@@ -33,6 +33,7 @@ import threading
 from typing import Any
 
 from fsdp_interactive import _notices
+from fsdp_interactive._text import call_label
 from fsdp_interactive.pool.common import _agent_wire
 from fsdp_interactive.pool.rank import (
     _agent,
@@ -49,7 +50,7 @@ _next_is_notebook_cell = False
 _hooked = False
 
 _MARK_PREFIX = "# fsdp_interactive:"
-_MARK_LINE = re.compile(r"# fsdp_interactive:((?: (?:call|cell|replay)=\d+)+)\r?\n?\Z")
+_MARK_LINE = re.compile(r"# fsdp_interactive:((?: (?:call|cell|replay|noreplay)=\d+)+)\r?\n?\Z")
 
 
 def _shell() -> Any:
@@ -96,6 +97,7 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     )
     _install_hooks(shell)
     _notices.set_sink(_notify_kernel)
+    _notices.set_judge(_cell_watch.judge)
     _debugger.forget()
     record = _bootstrap.join_group(spec)
     record["agent"] = list(address)
@@ -120,12 +122,14 @@ def mark_call(
     *,
     replaying: bool = False,
     replayed: int | None = None,
+    kept_out: bool = False,
 ) -> str:
     """``code`` as an engine of the pool runs it: as notebook call ``call`` (a journal
     entry's id), as the notebook's cell ``cell``, and, with ``replaying`` (or ``replayed``,
     the id of the journal entry a recovery replays), as a call a recovery replays
     (:func:`fsdp_interactive._notices.replaying` is then true, and the entry's generators
-    are set around it, :mod:`._cell_watch`).
+    are set around it, :mod:`._cell_watch`); ``kept_out``: a call no recovery replays
+    (``%%fsdp --no-replay``), so that a snapshot does not record a variable only it binds.
 
     Only a first line is added (none when there is nothing to mark); nothing in ``code``
     is changed or checked.
@@ -136,6 +140,8 @@ def mark_call(
         fields += [f"replay={int(replayed)}"]
     elif replaying:
         fields += ["replay=0"]
+    if kept_out and call is not None:
+        fields += ["noreplay=1"]
     return f"{_MARK_PREFIX} {' '.join(fields)}\n{code}" if fields else code
 
 
@@ -164,6 +170,9 @@ def _take_cell_mark(lines: list[str]) -> list[str]:
     )
     replayed = int(fields.get("replay", "0"))
     _cell_watch.replaying_entry(replayed or None)
+    call = int(fields["call"]) if "call" in fields else None
+    cell = int(fields["cell"]) if "cell" in fields else None
+    _cell_watch.next_call(call_label(call, cell, "".join(lines[1:])), "noreplay" in fields)
     if "cell" in fields:
         number = int(fields["cell"])
         _shell().execution_count = number
@@ -213,7 +222,8 @@ def _before_cell(info: Any) -> None:
 
 def _after_cell(result: Any) -> None:
     global _next_is_notebook_cell
-    _cell_watch.after_cell(_shell().user_ns)
+    failed = getattr(result, "error_in_exec", None) is not None
+    _cell_watch.after_cell(_shell().user_ns, failed=failed)
     _notices.set_current_call(None, replaying=False)
     if not _next_is_notebook_cell:
         return
