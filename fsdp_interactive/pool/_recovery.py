@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ from fsdp_interactive.pool._recovery_checks import (
     check_snapshot,
     check_world,
 )
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._recovery_report import (
     RecoveryReport,
     calls_text,
@@ -170,8 +171,16 @@ def make_plan(
     return plan
 
 
-def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> RecoveryReport:
-    """Carry ``plan`` out on ``pool`` (see the module's docstring); ``say`` shows progress."""
+def execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:
+    """Carry ``plan`` out on ``pool`` (see the module's docstring), showing each phase on
+    ``progress`` from its first moment."""
+    try:
+        return _execute(pool, plan, progress)
+    finally:
+        progress.close()
+
+
+def _execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:
     phases: dict[str, float] = {}
     began = time.monotonic()
 
@@ -181,13 +190,24 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
         phases[name] = phases.get(name, 0.0) + now - began
         began = now
 
+    def fresh_group(drop_hosts: Sequence[str]) -> None:
+        progress.phase("ending the old group")
+        end_group(pool)
+        lap("end")
+        ranks = plan.world_size or pool._request.n
+        progress.phase(
+            f"starting a fresh group of {ranks} ranks" if ranks else "starting a fresh group"
+        )
+        start_group(pool, world=plan.world_size, drop_hosts=drop_hosts)
+        lap("start")
+        progress.done(
+            f"a fresh group of {pool.world_size} ranks is up ({progress.seconds():.1f} s)"
+        )
+
     if plan.snapshot is not None:
         pool._processes.forkers.precheck(plan.snapshot.id)
-    end_group(pool)
-    lap("end")
-    start_group(pool, world=plan.world_size, drop_hosts=plan.dropped_hosts)
-    lap("start")
-    say(f"recovery: a fresh group of {pool.world_size} ranks is up")
+    fresh_group(plan.dropped_hosts)
+    progress.phase("finding the snapshots the hosts hold")
     candidates = _candidates(pool, plan)
     lap("find")
     refused: list[str] = []
@@ -198,32 +218,29 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             else slice_for(pool.journal.replay_for(target.call if target else None), target.names)
         )
         if attempt:
-            end_group(pool)
-            start_group(pool, world=plan.world_size, drop_hosts=())
-            lap("start")
+            fresh_group(())
         names = None if target is None else target.names
         locations = _replay.restored_locations(names)
         again = ""
         try:
-            outcome = _replay_slice(pool, sliced, locations, say)
+            outcome = _replay_slice(pool, sliced, locations, progress)
         except _replay.InitsLeftUnset as unset:
             # Never a success over uninitialized memory: the slow way, every draw made.
             again = str(unset)
-            say(f"recovery: {unset}; replaying again with every initialization run")
+            progress.done(f"{unset}; replaying again with every initialization run")
             lap("replay")
-            end_group(pool)
-            start_group(pool, world=plan.world_size, drop_hosts=())
-            lap("start")
-            outcome = _replay_slice(pool, sliced, locations, say, skip_inits=False)
+            fresh_group(())
+            outcome = _replay_slice(pool, sliced, locations, progress, skip_inits=False)
         lap("replay")
         source = plan.checkpoint if target is None else target.id
+        progress.phase(f"loading {source}")
         try:
             restored = _restore(pool, source)
         except _Refused as refusal:
             refused.append(f"{source}: {refusal}")
             older = candidates[attempt + 1] if attempt + 1 < len(candidates) else None
             tried = f"; trying the older snapshot {older.id}" if older is not None else ""
-            say(f"recovery: {source} refused ({refusal}){tried}")
+            progress.done(f"{source} refused ({refusal}){tried}")
             lap("restore")
             continue
         lap("restore")
@@ -278,14 +295,14 @@ def _replay_slice(
     pool: Pool,
     sliced: ReplaySlice,
     restored: Sequence[str],
-    say: Callable[[str], None],
+    progress: RecoveryProgress,
     *,
     skip_inits: bool = True,
 ) -> _replay.ReplayOutcome:
     """The replay phase (:mod:`._replay`); the first failure ends the recovery
     (:class:`~._replay.InitsLeftUnset` is the caller's, when ``skip_inits``)."""
     try:
-        return _replay.replay(pool, sliced, restored, say, skip_inits=skip_inits)
+        return _replay.replay(pool, sliced, restored, progress, skip_inits=skip_inits)
     except _replay.InitsLeftUnset:
         if skip_inits:
             raise

@@ -22,11 +22,12 @@ A failure in any of them is the caller's to handle (the recovery then leaves a f
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool._journal import JournalEntry
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._slice import ReplaySlice
 from fsdp_interactive.pool.rank import _cell_watch, _results
 
@@ -108,12 +109,14 @@ def prepare(
 
 
 def run_entries(
-    pool: Pool, entries: Sequence[JournalEntry], say: Callable[[str], None]
+    pool: Pool, entries: Sequence[JournalEntry], progress: RecoveryProgress
 ) -> dict[int, float]:
-    """Run ``entries`` again, in order, as replays; each one's seconds. The first failure
-    raises (the entry's label is in :class:`ReplayFailed`)."""
+    """Run ``entries`` again, in order, as replays, each shown on ``progress`` as it starts
+    and ends; each one's seconds. The first failure raises (the entry's label is in
+    :class:`ReplayFailed`)."""
     seconds = {}
-    for entry in entries:
+    for number, entry in enumerate(entries, 1):
+        progress.phase(f"replaying {entry.label} ({number} of {len(entries)})")
         began = time.monotonic()
         targets = entry.targets
         if targets is not None:
@@ -131,7 +134,7 @@ def run_entries(
         except Exception as error:
             raise ReplayFailed(entry, error) from error
         seconds[entry.id] = time.monotonic() - began
-        say(f"recovery: replayed {entry.label} in {seconds[entry.id]:.2f} s")
+        progress.done(f"replayed {entry.label} in {seconds[entry.id]:.2f} s")
     return seconds
 
 
@@ -182,14 +185,16 @@ def replay(
     pool: Pool,
     sliced: ReplaySlice,
     restored: Sequence[str],
-    say: Callable[[str], None],
+    progress: RecoveryProgress,
     *,
     skip_inits: bool = True,
 ) -> ReplayOutcome:
-    """The whole replay phase (see the module's docstring); ``skip_inits=False`` runs every
-    initialization."""
+    """The whole replay phase (see the module's docstring), shown on ``progress``;
+    ``skip_inits=False`` runs every initialization."""
+    progress.phase("preparing the replay")
     lacking = prepare(pool, sliced, restored, skip_inits=skip_inits)
-    seconds = run_entries(pool, sliced.replay, say)
+    seconds = run_entries(pool, sliced.replay, progress)
+    progress.phase("checking what the replay initialized")
     counts = finish(pool, restored)
     return ReplayOutcome(
         sliced.replay,

@@ -75,6 +75,17 @@ RECOVER = Step("go back to the last snapshot with {}", "pool.recover()", "%fsdp 
 RUN_AGAIN = Step("{} to continue", "run the call again", "run the cell again")
 
 
+def resume_at(step: int) -> Step:
+    """Run the call again, knowing where its loop stands now: at the restored ``step``."""
+    return Step(
+        f"{{}} to go on from step {step}, the snapshot's (a loop that runs until a step, "
+        f"such as while step < total with the step counter the snapshot restored, resumes "
+        f"there; one that runs a number of steps runs them all again)",
+        "run the call again",
+        "run the cell again",
+    )
+
+
 def advice_line(steps: tuple[Step, ...], notebook: bool, out: str | None = None) -> str:
     """The steps as one sentence: "Keep waiting with ..., interrupt ..., or start ..."."""
     parts = [text for step in steps if (text := step.render(notebook, out))]
@@ -109,12 +120,19 @@ class Advised:
         """The message for a notebook user; ``out``: the name ``%%fsdp -o`` stored it under."""
         return self._compose(True, out)
 
-    def recovered(self, summary: str) -> None:
+    #: The step the pool recovered to by itself (``Pool(recover="auto")``), if known.
+    recovered_step: int | None = None
+    #: Whether the pool recovered by itself after this error.
+    was_recovered: bool = False
+
+    def recovered(self, summary: str, step: int | None = None) -> None:
         """Say that the pool recovered by itself (``Pool(recover="auto")``): ``summary``
-        ("recovered to the snapshot ... in 4.1 s") joins the message, and the advice
-        becomes running the call again."""
+        ("recovered to the snapshot ... in 4.1 s", and what came back) joins the message,
+        and the advice becomes running the call again, from the restored ``step`` when
+        the snapshot has one."""
         self._head = f"{self._head}\n{summary}" if self._head else summary
-        self.advice = (RUN_AGAIN,)
+        self.was_recovered, self.recovered_step = True, step
+        self.advice = (RUN_AGAIN,) if step is None else (resume_at(step),)
         self.args = (self._compose(False),)
 
     def recovery_failed(self, reason: str) -> None:

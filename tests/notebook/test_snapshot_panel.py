@@ -133,9 +133,11 @@ def test_snapshot_now_records_the_training_step_and_recover_shows_it_is_busy(res
     pool.run("step += 5", cell=6, stream=False, replay=False)
     panel._recover_button.click()
     assert panel.error is None, panel.status
-    assert [line for line, *_ in seen][:2] == [
+    assert [line for line, *_ in seen][:4] == [
         "recovering",
-        "recovery: a fresh group of 2 ranks is up",
+        "recovery: ending the old group ...",
+        "recovery: starting a fresh group of 2 ranks ...",
+        next(line for line, *_ in seen if line.startswith("recovery: a fresh group of 2 ")),
     ]
     assert all(busy and report == "" for _, busy, report, _ in seen)
     assert all("took" not in status and "recover to" not in status for *_, status in seen)

@@ -249,7 +249,10 @@ def test_automatic_recovery_says_what_it_restored_in_the_error(profile_dir, tmp_
         message = died.value.notebook_message()
         assert "rank 1" in message and "killed by signal SIGKILL" in message
         assert "recovered to the snapshot" in message and "of step 2" in message
-        assert "Run the cell again to continue." in message
+        assert "Run the cell again to go on from step 2, the snapshot's" in message
+        assert "restored from s" in message and ": model (the model), optim (the optimizer)" in (
+            message
+        )
         assert pool.running and fingerprints(pool) == taken_at(tmp_path, 2, 2)
     finally:
         record(pool)

@@ -8,6 +8,7 @@ defined each and how to get it back)."""
 from __future__ import annotations
 
 import ast
+import io
 
 import pytest
 
@@ -131,3 +132,66 @@ def test_a_skipped_tensor_the_snapshot_does_not_write_makes_the_replay_run_every
     assert report.replayed_again.startswith("the replay skipped the initialization of other.")
     assert "replay: ran again with every initialization" in str(report)
     assert report.replay_outcome.skipped_inits == 0
+
+
+class _Recorded(io.TextIOBase):
+    """A stdout that keeps every write in order, beside the markers the test adds."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.events.append(text)
+        return len(text)
+
+
+def test_each_phase_is_shown_before_the_recovery_waits_in_it(pool, monkeypatch):
+    """The line of each phase is written before the work it names begins: ending the old
+    group, starting the new one, replaying each cell, loading the snapshot."""
+    from fsdp_interactive.pool import _recovery
+
+    pool.restart()
+    pool.run("import torch, fsdp_interactive\nnet = torch.nn.Linear(4, 4)", cell=1, stream=False)
+    pool.run("n = 1", cell=2, stream=False, replay=True)
+    pool.run("fsdp_interactive.snapshot(model=net)", cell=3, stream=False)
+    with pytest.raises(RankDied):
+        pool.run(KILL_RANK_1, cell=4, stream=False)
+    out = _Recorded()
+    for name in ("end_group", "start_group", "_restore"):
+        real = getattr(_recovery, name)
+
+        def marked(*args, _real=real, _name=name, **kwargs):
+            out.events.append(f"<{_name}>")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(_recovery, name, marked)
+    real_run = Pool.run
+
+    def run(self, code, *args, replayed=None, **kwargs):
+        if replayed is not None:
+            out.events.append(f"<replay {kwargs.get('cell')}>")
+        return real_run(self, code, *args, replayed=replayed, **kwargs)
+
+    monkeypatch.setattr(Pool, "run", run)
+    monkeypatch.setattr("sys.stdout", out)
+    pool.recover()
+    shown = [e.strip("\r ") for e in out.events if e.strip("\r ")]
+
+    def before(line: str, marker: str) -> None:
+        first = next(i for i, e in enumerate(shown) if e.startswith(line))
+        assert first < shown.index(marker), (line, marker, shown)
+
+    assert shown[0] == "recovery: ending the old group ..."  # the first thing it does
+    before("recovery: ending the old group ...", "<end_group>")
+    before("recovery: starting a fresh group of 2 ranks ...", "<start_group>")
+    before("recovery: replaying In[1] (1 of 2) ...", "<replay 1>")
+    before("recovery: replaying In[2] (2 of 2) ...", "<replay 2>")
+    before("recovery: loading s", "<_restore>")
+    assert shown.index("<_restore>") < next(
+        i for i, e in enumerate(shown) if e.startswith("recovered to the snapshot")
+    )
+    # Finished steps stay as lines; the moving line is gone at the end.
+    text = "".join(out.events)
+    assert "recovery: a fresh group of 2 ranks is up (" in text
+    assert "recovery: replayed In[2] in " in text
+    assert text.endswith("\n")
