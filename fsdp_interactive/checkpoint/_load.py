@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._torch_compat import ShardedTensor, set_element
 from fsdp_interactive.checkpoint import _manifest, _state, _stateful
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._handle import INFLIGHT
 from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
 from fsdp_interactive.checkpoint._safe_reader import (
@@ -372,6 +373,7 @@ def load(
     )
 
 
+@quietly
 def load_with_state(
     path: str | os.PathLike,
     model: nn.Module,

@@ -221,9 +221,10 @@ def _execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> Reco
             fresh_group(())
         names = None if target is None else target.names
         locations = _replay.restored_locations(names)
+        held_at = () if target is None else target.held_at
         again = ""
         try:
-            outcome = _replay_slice(pool, sliced, locations, progress)
+            outcome = _replay_slice(pool, sliced, locations, progress, held_at=held_at)
         except _replay.InitsLeftUnset as unset:
             # Never a success over uninitialized memory: the slow way, every draw made.
             again = str(unset)
@@ -298,11 +299,14 @@ def _replay_slice(
     progress: RecoveryProgress,
     *,
     skip_inits: bool = True,
+    held_at: Sequence[str] = (),
 ) -> _replay.ReplayOutcome:
     """The replay phase (:mod:`._replay`); the first failure ends the recovery
     (:class:`~._replay.InitsLeftUnset` is the caller's, when ``skip_inits``)."""
     try:
-        return _replay.replay(pool, sliced, restored, progress, skip_inits=skip_inits)
+        return _replay.replay(
+            pool, sliced, restored, progress, skip_inits=skip_inits, held_at=held_at
+        )
     except _replay.InitsLeftUnset:
         if skip_inits:
             raise

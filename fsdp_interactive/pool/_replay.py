@@ -77,10 +77,11 @@ def _skip_plan(entry: JournalEntry, rank: int, restored: Sequence[str]) -> dict[
 
 
 def prepare(
-    pool: Pool, sliced: ReplaySlice, restored: Sequence[str], *, skip_inits: bool = True
+    pool: Pool, sliced: ReplaySlice, written: Sequence[str], *, skip_inits: bool = True
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Give every rank its part of the replay plan (one call, each rank its own states and
-    the initialization calls it may skip, none without ``skip_inits``); the entries some
+    the initialization calls it may skip: those whose tensors ended at one of the
+    locations the snapshot ``written``, none without ``skip_inits``); the entries some
     ranks have no generator states for."""
     entries = sliced.replay
     states = pool.journal.generators
@@ -89,7 +90,7 @@ def prepare(
     for rank in ranks:
         plan = states.for_replay([e.id for e in entries], rank)
         for entry in entries:
-            skip = _skip_plan(entry, rank, restored) if skip_inits else None
+            skip = _skip_plan(entry, rank, written) if skip_inits else None
             plan.setdefault(entry.id, {})["skip_init"] = skip
         plans[rank] = plan
     views = pool._begin(None, None)
@@ -188,11 +189,15 @@ def replay(
     progress: RecoveryProgress,
     *,
     skip_inits: bool = True,
+    held_at: Sequence[str] = (),
 ) -> ReplayOutcome:
-    """The whole replay phase (see the module's docstring), shown on ``progress``;
+    """The whole replay phase (see the module's docstring), shown on ``progress``:
+    ``restored`` are the snapshot's locations, ``held_at`` every location its modules had
+    when it was taken (a tensor that ended at either is written by the restore);
     ``skip_inits=False`` runs every initialization."""
     progress.phase("preparing the replay")
-    lacking = prepare(pool, sliced, restored, skip_inits=skip_inits)
+    written = [*restored, *(w for w in held_at if w not in restored)]
+    lacking = prepare(pool, sliced, written, skip_inits=skip_inits)
     seconds = run_entries(pool, sliced.replay, progress)
     progress.phase("checking what the replay initialized")
     counts = finish(pool, restored)

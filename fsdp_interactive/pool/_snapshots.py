@@ -49,6 +49,8 @@ class SnapshotInfo:
     bytes_per_host: Mapping[str, int] = field(default_factory=dict)
     seconds: float | None = None
     dropped: tuple[str, ...] = ()
+    #: Every location of the modules it holds when it was taken (``model``, ``trainer.model``).
+    held_at: tuple[str, ...] = ()
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> SnapshotInfo:
@@ -68,6 +70,7 @@ class SnapshotInfo:
             },
             seconds=record.get("seconds"),
             dropped=tuple(str(d) for d in record.get("dropped") or ()),
+            held_at=tuple(str(w) for w in record.get("held_at") or ()),
         )
 
     @property

@@ -115,6 +115,7 @@ def _describe(
         },
         seconds=seconds,
         call=plan.call,
+        held_at=plan.held_at,
     )
     return manifest, record
 

@@ -38,6 +38,9 @@ class SnapshotRecord:
     * ``seconds``: the blocking part of the call (all of it for a synchronous snapshot,
       the staging for ``background=True``);
     * ``call``: the notebook call (journal entry) that took it, ``None`` outside a pool;
+    * ``held_at``: every location (variable or attribute path) of the modules it holds when
+      it was taken (``model``, ``trainer.model``): a recovery skips the initialization of
+      tensors that ended there, since it writes them;
     * ``dropped``: the snapshots of the same objects that taking it removed (``keep_last``),
       set on the record the call returns and its notice, not in ``snapshot.json``.
 
@@ -55,6 +58,7 @@ class SnapshotRecord:
     bytes_per_host: dict[str, int]
     seconds: float
     call: int | None = None
+    held_at: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +116,7 @@ class SnapshotRecord:
                 bytes_per_host={str(h): int(b) for h, b in data["bytes_per_host"].items()},
                 seconds=float(data["seconds"]),
                 call=None if data.get("call") is None else int(data["call"]),
+                held_at=[str(w) for w in data.get("held_at") or ()],
             )
         except Exception as exc:
             raise CorruptCheckpointError(

@@ -20,6 +20,7 @@ from fsdp_interactive import _notices
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint import _pipeline
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._handle import INFLIGHT as SAVES
 from fsdp_interactive.checkpoint._raw_storage import RawWriter
 from fsdp_interactive.checkpoint._rng import RNGState
@@ -31,6 +32,7 @@ from fsdp_interactive.checkpoint._snapshot._names import (
     OPTIMIZER,
     findable,
     given_paths,
+    locations,
     record_names,
     unlocated_error,
 )
@@ -197,6 +199,7 @@ def _tensor_count(state: Any) -> int:
     return count
 
 
+@quietly
 def take(
     model: Any,
     optimizer: Any,
@@ -244,6 +247,7 @@ def take(
         call=call,
         names=names,
         keys=sorted(captured.state["model"]),
+        held_at=_module_locations(namespace, [model, *stateful.values()]),
     )
     try:
         written = write(captured.state, plan, ranks)
@@ -271,6 +275,16 @@ def take(
     INFLIGHT.hold(handle)
     threading.Thread(target=publish, name=f"snapshot:{plan.id}", daemon=True).start()
     return handle
+
+
+def _module_locations(namespace: Mapping[str, Any], objects: list[Any]) -> list[str]:
+    """Every location of the modules among ``objects`` in ``namespace`` (names and
+    attribute paths): where a recovery finds initialized tensors the snapshot writes."""
+    found: list[str] = []
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            found += [w for w in locations(namespace, obj) if w not in found]
+    return found
 
 
 def write(state: dict[str, Any], plan: _plan.SnapshotPlan, ranks: Ranks) -> RawWriter:

@@ -50,6 +50,7 @@ import functools
 import logging
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ INIT_FUNCTIONS = (
 _TRANSFORMERS_TABLE = ("transformers.initialization", "TORCH_INIT_FUNCTIONS")
 #: Marks a wrapper (never wrapped twice).
 _WRAPPED = "_fsdpi_init_call"
+#: Objects whose attributes are not looked into for modules: classes, modules, functions.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 
 #: One call as the kernel keeps it: ``(function, shape, locations)``.
 CallRecord = tuple[str, tuple[int, ...], tuple[str, ...]]
@@ -273,18 +276,20 @@ def module_locations(namespace: Mapping[str, Any]) -> dict[int, set[str]]:
         for sub in root.modules():
             found.setdefault(id(sub), set()).add(location)
 
+    module = torch.nn.Module
     for name, value in list(namespace.items()):
         if not isinstance(name, str) or name.startswith("_"):
             continue
-        if isinstance(value, torch.nn.Module):
+        # type(): never the object's own __class__ (a deprecated torch name warns on it).
+        kind = type(value)
+        if issubclass(kind, module):
             add(name, value)
-        elif not isinstance(value, type) and isinstance(getattr(value, "__dict__", None), dict):
+        elif issubclass(kind, _OPAQUE) or not isinstance(getattr(value, "__dict__", None), dict):
+            continue
+        else:
             for attribute, held in list(vars(value).items()):
-                if (
-                    isinstance(attribute, str)
-                    and not attribute.startswith("_")
-                    and isinstance(held, torch.nn.Module)
-                ):
+                public = isinstance(attribute, str) and not attribute.startswith("_")
+                if public and issubclass(type(held), module):
                     add(f"{name}.{attribute}", held)
     return found
 
