@@ -120,8 +120,9 @@ class PoolFaults:
         self._unshown_forker_deaths = []
         if self._unreported and self.death is not None:
             self._unreported = False
-            self.death.add_head_line("This call did not run.")
-            raise self.death
+            # A copy says so: the death itself, as Pool.check() and %fsdp status show it,
+            # is about no call.
+            raise self.death.with_head_line("This call did not run.")
 
     def _wedged_or_dead(self, error: BaseException) -> bool:
         if isinstance(error, RankDied):

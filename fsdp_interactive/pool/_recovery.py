@@ -65,11 +65,19 @@ from fsdp_interactive.pool._recovery_report import (
 )
 from fsdp_interactive.pool._slice import Part, ReplaySlice, beside, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
-from fsdp_interactive.pool.errors import RecoveryError
+from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
 from fsdp_interactive.pool.rank._snapshot_calls import restore_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
+
+#: After a restore that found its objects missing: the group is empty, so what works is
+#: building them again and taking a new snapshot (recovering again would fail the same way).
+REBUILD = Step(
+    "run the cells that build them again, then take a new snapshot with {}",
+    "fsdp_interactive.snapshot(model=..., optimizer=...)",
+    "%fsdp snapshot MODEL OPTIMIZER",
+)
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +365,9 @@ def _restore(pool: Pool, source: str | None) -> Any:
             _fresh_group(pool)
             raise RecoveryError(
                 f"the replayed cells did not put back every object {source} restores into, "
-                f"so nothing was restored and the pool runs a fresh, empty group: {first}"
+                f"so nothing was restored and the pool runs a fresh, empty group: {first}",
+                REBUILD,
+                RESTART,
             ) from None
         if names & set(_REFUSALS):
             first = error.errors[min(error.errors)]

@@ -139,6 +139,13 @@ class Advised:
         """Say that an automatic recovery was tried and why it failed; the advice stays."""
         self.add_note_line(f"Automatic recovery failed: {reason}")
 
+    def with_head_line(self, line: str) -> Any:
+        """A copy of this error with ``line`` added to what happened (this one unchanged)."""
+        copied = type(self).__new__(type(self))  # type: ignore[call-overload]
+        copied.__dict__.update(self.__dict__)
+        copied.add_head_line(line)
+        return copied
+
     def add_head_line(self, line: str) -> None:
         """Add ``line`` to what happened, before the advice."""
         self._head = f"{self._head}\n{line}" if self._head else line
@@ -154,9 +161,19 @@ class Advised:
         self.advice = steps
         self.args = (self._compose(False),)
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the type and the message, as ``%%fsdp`` shows its
+        errors. The pool's own frames (``_pool.py``, ``_dispatch.py``, ``_faults.py``)
+        say nothing to the caller; the ranks' tracebacks are in the message."""
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class PoolError(RuntimeError):
     """Base class of the pool's own errors that are not about one run's outcome."""
+
+    def _render_traceback_(self) -> list[str]:
+        """Shown by IPython as its type and message, without the pool's frames."""
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class PoolStartError(PoolError):
@@ -371,7 +388,14 @@ class RankInterrupted(Advised, KeyboardInterrupt):
         self.in_collective = sorted(in_collective)
         self.unfinished = dict(unfinished or {})
         self.needs_restart = bool(in_collective)
-        lines = [f"interrupted {_ranks_text(self.ranks)} (SIGINT)."]
+        if stuck:
+            stopped = [rank for rank in self.ranks if rank not in stuck]
+            lines = [
+                f"sent an interrupt (SIGINT) to {_ranks_text(self.ranks)}"
+                + (f"; {_ranks_text(stopped)} stopped." if stopped else ".")
+            ]
+        else:
+            lines = [f"interrupted {_ranks_text(self.ranks)} (SIGINT)."]
         for rank, where in sorted(stuck.items()):
             lines.append(f"rank {rank} did not stop: {where}")
         for rank, what in sorted(self.unfinished.items()):

@@ -140,6 +140,9 @@ def test_a_death_between_cells_the_journal_and_snapshot_errors_in_magic_words(
     assert text.startswith("RankDied: rank 1 (pid") and "This call did not run." in text
     assert "Go back to the last snapshot with %fsdp recover" in text
     assert "IndexError" not in text and "never runs" not in capsys.readouterr().out
+    shell.run_line_magic("fsdp", "status")  # about the death, not about the call above
+    out, _ = capsys.readouterr()
+    assert "pool broken: rank 1 (pid" in out and "This call did not run." not in out
     with pytest.raises(UsageError, match=r"no running pool \(a rank died: rank 1"):
         shell.run_line_magic("fsdp", "push SETUP")
     with pytest.raises(Exception) as gone:

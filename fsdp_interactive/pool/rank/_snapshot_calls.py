@@ -14,8 +14,11 @@ from typing import Any
 
 #: Keys named in a message about a model that does not fit, at most.
 _KEYS_SHOWN = 6
-#: restore_snapshot's advice to pass objects, which a recovery cannot take.
-_OBJECTS_ADVICE = re.compile(r"(;|, or) pass objects=\{[^}]*\}")
+#: restore_snapshot's advice to pass objects, or to run the cells that define a name first,
+#: which a recovery cannot take (it replaced the group: the name would be gone again).
+_OBJECTS_ADVICE = re.compile(
+    r"(;|, or) pass objects=\{[^}]*\}|: run the cells that define '[^']*' first"
+)
 
 
 def held_here() -> list[dict[str, Any]]:
