@@ -300,23 +300,14 @@ def _candidates(pool: Pool, plan: RecoveryPlan) -> list[SnapshotInfo | None]:
     return [newest, *older]
 
 
-def _replay_slice(
-    pool: Pool,
-    sliced: ReplaySlice,
-    restored: Sequence[str],
-    progress: RecoveryProgress,
-    *,
-    skip_inits: bool = True,
-    held_at: Sequence[str] = (),
-) -> _replay.ReplayOutcome:
-    """The replay phase (:mod:`._replay`); the first failure ends the recovery
-    (:class:`~._replay.InitsLeftUnset` is the caller's, when ``skip_inits``)."""
+def _replay_slice(pool: Pool, *args: Any, **options: Any) -> _replay.ReplayOutcome:
+    """The replay phase (:func:`._replay.replay`, given ``args`` and ``options``); the first
+    failure ends the recovery (:class:`~._replay.InitsLeftUnset` is the caller's, unless
+    the replay was asked to skip no initialization)."""
     try:
-        return _replay.replay(
-            pool, sliced, restored, progress, skip_inits=skip_inits, held_at=held_at
-        )
+        return _replay.replay(pool, *args, **options)
     except _replay.InitsLeftUnset:
-        if skip_inits:
+        if options.get("skip_inits", True):
             raise
         _fresh_group(pool)
         raise RecoveryError(

@@ -120,31 +120,39 @@ KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal
 STATE = "__import__('tests.checkpoint._wrappings', fromlist=['digest']).digest(model, optim)"
 
 
-@pytest.mark.timing
-def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framework_pool):
-    """docs/frameworks.md's recovery recipe: the sharded model and optimizer prepared in a
-    replayed cell, ``train()`` in a training cell, a snapshot, a SIGKILL, ``recover()``:
-    every rank's state is the snapshot's, and ``train()`` goes on with those objects."""
+def _snapshot_kill_and_recover(pool, trainer: str):
+    """Snapshot ``model`` and ``optim`` at the trainer's step, SIGKILL rank 1, recover: every
+    rank's state is the snapshot's, bit for bit; the recovery's report."""
     from fsdp_interactive.pool import RankDied
 
-    pool = framework_pool
-    pool.restart()  # a journal of this test's cells only
-    pool.run(recipe("setup"), stream=False)
-    pool.run(recipe("trainer-subclass") + recipe("trainer-fsdp2").split("torch.manual_seed")[0])
-    pool.run(recipe("trainer-prepare"), stream=False)
-    pool.run("trainer.train()", stream=False, replay=False)
     pool.run(
-        "import fsdp_interactive\n"
-        "fsdp_interactive.snapshot(model=model, optimizer=optim, step=trainer.state.global_step)",
+        "import fsdp_interactive\nfsdp_interactive.snapshot(model=model, optimizer=optim, "
+        f"step={trainer}.state.global_step)",
         stream=False,
     )
     at_snapshot = _values(pool, STATE)
     with pytest.raises(RankDied):
         pool.run(KILL_RANK_1, stream=False)
     report = pool.recover()
-    # replayed: the setup, the Trainer and its arguments, the prepared model and optimizer
-    assert report.snapshot.step == 20 and len(report.replayed) == 3
+    assert report.snapshot.step == 20
     assert _values(pool, STATE) == at_snapshot
+    return report
+
+
+@pytest.mark.timing
+def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framework_pool):
+    """docs/frameworks.md's recovery recipe: the sharded model and optimizer prepared in a
+    replayed cell, ``train()`` in a training cell, a snapshot, a SIGKILL, ``recover()``:
+    every rank's state is the snapshot's, and ``train()`` goes on with those objects."""
+    pool = framework_pool
+    pool.restart()  # a journal of this test's cells only
+    pool.run(recipe("setup"), stream=False)
+    pool.run(recipe("trainer-subclass") + recipe("trainer-fsdp2").split("torch.manual_seed")[0])
+    pool.run(recipe("trainer-prepare"), stream=False)
+    pool.run("trainer.train()", stream=False, replay=False)
+    report = _snapshot_kill_and_recover(pool, "trainer")
+    # replayed: the setup, the Trainer and its arguments, the prepared model and optimizer
+    assert len(report.replayed) == 3
     pool.run("trainer.train()", stream=False, replay=False)
     resumed = _values(
         pool,
@@ -165,8 +173,6 @@ def test_the_trainer_fsdp1_recipe_recovers_bit_for_bit_and_clips_by_the_true_nor
     optimizer prepared in a replayed cell, ``train()`` in a training cell: the Trainer
     clips by the true global gradient norm (not a rank's own), before and after a SIGKILL
     and ``recover()``, which restores every rank's state bit for bit."""
-    from fsdp_interactive.pool import RankDied
-
     pool = framework_pool
     pool.restart()
     pool.run(recipe("setup"), stream=False)
@@ -184,16 +190,6 @@ def test_the_trainer_fsdp1_recipe_recovers_bit_for_bit_and_clips_by_the_true_nor
             assert clipped == pytest.approx(min(logged_norm, 1.0), rel=1e-5), (attempt, pairs)
         if attempt == "after the recovery":
             break
-        pool.run(
-            "import fsdp_interactive\nfsdp_interactive.snapshot(model=model, optimizer=optim, "
-            "step=trainer_v1.state.global_step)",
-            stream=False,
-        )
-        at_snapshot = _values(pool, STATE)
-        with pytest.raises(RankDied):
-            pool.run(KILL_RANK_1, stream=False)
-        report = pool.recover()
-        assert report.snapshot.step == 20
-        assert _values(pool, STATE) == at_snapshot
+        _snapshot_kill_and_recover(pool, "trainer_v1")
         pool.run(PROBES + train, stream=False, replay=False)
         assert _values(pool, "trainer_v1.optimizer.optimizer is optim") == {0: True, 1: True}

@@ -7,15 +7,13 @@ defined each and how to get it back)."""
 
 from __future__ import annotations
 
-import ast
 import io
 
 import pytest
 
 from fsdp_interactive.pool import Pool, RankDied
 from tests.pool.conftest import record
-
-KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+from tests.pool.recovery_cells import KILL_RANK_1, values
 
 #: One cell builds two sharded models the snapshot does not hold (``a`` with this package's
 #: FSDP, ``b`` with ``fully_shard``), then the small model it holds.
@@ -52,11 +50,6 @@ def fingerprint(module):
 STEP_C = "c(torch.ones(2, 8)).sum().backward()\nopt_c.step()\nopt_c.zero_grad()"
 
 STATE = "{name: fingerprint(globals()[name]) for name in ('a', 'b', 'c')}"
-
-
-def values(pool: Pool, expression: str) -> dict[int, object]:
-    results = pool.run(expression, stream=False, journal=False).results
-    return {rank: ast.literal_eval(text) for rank, text in results.items()}
 
 
 def recover_the_model_the_snapshot_does_not_hold(pool: Pool) -> None:

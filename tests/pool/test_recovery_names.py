@@ -6,14 +6,11 @@ before anything ends, with advice that works when followed."""
 
 from __future__ import annotations
 
-import ast
-
 import pytest
 
-from fsdp_interactive.pool import Pool, RankDied, RankError
+from fsdp_interactive.pool import RankError
 from fsdp_interactive.pool.errors import RecoveryError
-
-KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+from tests.pool.recovery_cells import kill_rank_1, values
 
 BUILD = """
 import torch, warnings
@@ -34,16 +31,6 @@ run.optim.step()
 run.optim.zero_grad()
 """
 WEIGHTS = "[p.to_local().sum().item() for p in run.model.parameters()]"
-
-
-def values(pool: Pool, expression: str) -> dict[int, object]:
-    results = pool.run(expression, stream=False, journal=False).results
-    return {rank: ast.literal_eval(text) for rank, text in results.items()}
-
-
-def kill_rank_1(pool: Pool, cell: int) -> None:
-    with pytest.raises(RankDied):
-        pool.run(KILL_RANK_1, cell=cell, stream=False)
 
 
 def test_the_path_given_is_recorded_and_an_alias_is_repointed_or_refused(pool, capsys):

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive.pool import Pool, RankDied, RankError
+from fsdp_interactive.pool import Pool, RankError
 from fsdp_interactive.pool.errors import RecoveryError
-from tests.pool.recovery_cells import helpers
-
-KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+from tests.pool.recovery_cells import helpers, kill_rank_1, values
 
 BUILD = """
 import torch
@@ -37,16 +35,6 @@ for step in range({first}, {last}):
     optim.zero_grad()
 print(f"loss {{loss.item():.4f}}")
 """
-
-
-def values(pool: Pool, expression: str) -> dict[int, object]:
-    results = pool.run(expression, stream=False, journal=False).results
-    return {rank: ast.literal_eval(text) for rank, text in results.items()}
-
-
-def kill_rank_1(pool: Pool, cell: int) -> None:
-    with pytest.raises(RankDied):
-        pool.run(KILL_RANK_1, cell=cell, stream=False)
 
 
 @pytest.fixture

@@ -450,7 +450,7 @@ def finish_replay(namespace: Mapping[str, Any], restored: Sequence[str]) -> dict
     _replay_plan.clear()
     skippers = list(_skippers)
     _skippers.clear()
-    objects = [o for o in (_at(namespace, path) for path in restored) if o is not None]
+    objects = [o for o in (_init_deferral.follow(namespace, p) for p in restored) if o is not None]
     tally = _init_deferral.Tally()
     for skipper in skippers:
         skipper.settle(tally)
@@ -462,11 +462,3 @@ def finish_replay(namespace: Mapping[str, Any], restored: Sequence[str]) -> dict
             tally.run,
         )
     return {"skipped": tally.skipped, "initialized": tally.run, "unset": tally.unset}
-
-
-def _at(namespace: Mapping[str, Any], path: str) -> Any:
-    root, *attributes = path.split(".")
-    value = namespace.get(root)
-    for attribute in attributes:
-        value = getattr(value, attribute, None)
-    return value

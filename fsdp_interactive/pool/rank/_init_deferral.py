@@ -380,7 +380,7 @@ class InitSkipper(_Session):
             if where is None:
                 where = module_locations(namespace)
                 for location in sorted(set().union(*where.values()) if where else ()):
-                    root = _follow(namespace, location)
+                    root = follow(namespace, location)
                     if isinstance(root, torch.nn.Module):
                         for path, sub in root.named_modules():
                             names.setdefault(id(sub), f"{location}.{path}" if path else location)
@@ -393,7 +393,9 @@ class InitSkipper(_Session):
         return unset
 
 
-def _follow(namespace: Mapping[str, Any], location: str) -> Any:
+def follow(namespace: Mapping[str, Any], location: str) -> Any:
+    """The object at ``location`` (``name`` or ``name.attr...``) in ``namespace``, or
+    ``None``."""
     root, *attributes = location.split(".")
     value = namespace.get(root)
     for attribute in attributes:
