@@ -13,27 +13,41 @@ Two references, both generated so that they cannot drift from the code:
   reST docstrings as they are written, and needs no configuration project (a Sphinx
   ``conf.py`` with autosummary stubs would be a second list of modules to keep in step).
 
+It also runs the code blocks the pages mark as runnable, an HTML comment
+``<!-- runnable: GROUP -->`` on the line before a ```` ```python ```` block: each group's
+blocks in order, in one fresh Jupyter kernel (:func:`run_blocks`; the tests run every
+group), and ``--readme-picture`` redraws ``docs/images/readme-layout.png`` from the
+README's example, the view its last cell shows.
+
 The build fails (exit status 1, each problem on a line) when pdoc warns (an ``__all__``
 name that does not resolve, a module that does not import, a docstring it cannot read) or
 when a public name has no docstring: every name a documented module exports, and every
 public method and property of the classes defined in this package. Attributes are
 documented in their class's docstring; names re-exported from torch carry torch's own.
 
-    python docs/reference.py [--check] [--api-out DIR]
+    python docs/reference.py [--check] [--api-out DIR] [--readme-picture]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import queue
+import re
 import sys
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MAGIC_REFERENCE = ROOT / "docs" / "magics.md"
+README = ROOT / "README.md"
+README_PICTURE = ROOT / "docs" / "images" / "readme-layout.png"
+#: ``<!-- runnable: GROUP -->`` right before a fenced Python block.
+RUNNABLE = re.compile(r"^<!-- runnable: ([\w-]+) -->\n```python\n(.*?)^```", re.M | re.S)
 API_OUT = ROOT / "out" / "docs" / "api"
 PACKAGE = "fsdp_interactive"
 
@@ -154,6 +168,70 @@ def build_api(out: Path) -> list[str]:
     return problems
 
 
+def runnable_blocks(page: Path) -> dict[str, list[str]]:
+    """The blocks ``page`` marks as runnable, by group, in page order."""
+    groups: dict[str, list[str]] = {}
+    for match in RUNNABLE.finditer(page.read_text()):
+        groups.setdefault(match.group(1), []).append(match.group(2))
+    return groups
+
+
+def run_blocks(blocks: Sequence[str], after: Sequence[str] = (), timeout: float = 300) -> list:
+    """Run ``blocks``, then ``after``, one cell each, in a fresh Jupyter kernel started in
+    the repository; return each cell's IOPub messages. A cell that fails raises
+    ``RuntimeError`` with its traceback; a pool the cells started is stopped and the
+    kernel shut down, whatever happened."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ)
+    env.pop("IPP_NONINTERACTIVE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(ROOT), env=env)
+    try:
+        outputs = []
+        for code in [*blocks, *after]:
+            messages = _execute(client, code, timeout)
+            errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+            if errors:
+                trace = "\n".join(errors[0]["traceback"])
+                raise RuntimeError(f"this cell failed:\n{code}\n{_plain(trace)}")
+            outputs.append(messages)
+        return outputs
+    finally:
+        try:
+            _execute(client, "%fsdp stop", 120)
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+
+
+def _execute(client: Any, code: str, timeout: float) -> list[dict[str, Any]]:
+    msg_id = client.execute(code)
+    messages: list[dict[str, Any]] = []
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            message = client.get_iopub_msg(timeout=max(end - time.monotonic(), 0.1))
+        except queue.Empty:
+            raise RuntimeError(f"this cell did not end within {timeout} s:\n{code}") from None
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            return messages
+        messages.append(message)
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def draw_readme_picture(path: Path = README_PICTURE) -> None:
+    """Run the README's example and save the drawing of the view its last cell shows."""
+    blocks = runnable_blocks(README)["readme"]
+    save = f"_.figure().savefig({str(path)!r}, dpi=80, bbox_inches='tight')"
+    run_blocks(blocks, after=[save])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python docs/reference.py", description=__doc__)
     parser.add_argument(
@@ -162,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         help="fail when docs/magics.md differs from the parsers instead of rewriting it",
     )
     parser.add_argument("--api-out", type=Path, default=API_OUT, help="API reference folder")
+    parser.add_argument(
+        "--readme-picture",
+        action="store_true",
+        help=f"also redraw {README_PICTURE.relative_to(ROOT)} from the README's example",
+    )
     args = parser.parse_args(argv)
+    if args.readme_picture:
+        draw_readme_picture()
+        print(f"drew {README_PICTURE.relative_to(ROOT)}")
     problems = []
     text = magic_reference()
     if args.check:
