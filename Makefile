@@ -103,7 +103,7 @@ test-system-python: setup-system-python
 	$(SYSTEM_VENV)/bin/python -m pytest $(SYSTEM_TESTS) --durations=10 $(PYTEST_ARGS)
 
 # Benchmarks against torchrun, raw ipyparallel, torch FSDP1 and fully_shard: rewrites
-# docs/benchmarks.md (+ .png, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
+# docs/benchmarks.md and its appendix (+ plots, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
 

@@ -95,4 +95,7 @@ def test_every_other_runnable_block_runs() -> None:
         for group, blocks in reference.runnable_blocks(page).items()
     }
     for (name, group), blocks in groups.items():
-        reference.run_blocks(blocks)
+        try:
+            reference.run_blocks(blocks)
+        except RuntimeError as error:
+            raise AssertionError(f"{name}, runnable group {group!r}: {error}") from None
