@@ -62,6 +62,11 @@ _LAZY = {
 }
 
 
+#: Declared for the API reference (the value comes from ``_pull`` when first used):
+TOO_LARGE: str
+"""The words in the ``ValueError`` of ``plain_copy`` and ``full_param`` for a value over
+the size limit."""
+
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 

@@ -77,6 +77,7 @@ class ParamLayout:
         return self.numel * self.element_size
 
     def slice_of(self, rank: int) -> ShardSlice | None:
+        """The slice of this parameter that ``rank`` holds, or ``None`` when it holds none."""
         for piece in self.slices:
             if piece.rank == rank:
                 return piece
@@ -147,6 +148,8 @@ class ModelLayout:
         return total
 
     def param(self, fqn: str) -> ParamLayout:
+        """The layout of the parameter named ``fqn`` (its clean name); ``KeyError`` naming some
+        known parameters when there is none."""
         for p in self.params:
             if p.fqn == fqn:
                 return p
@@ -314,6 +317,9 @@ def find_spikes(values: list[float], factor: float = 3.0, window: int = 20) -> l
 
 
 def record_to_json(record: GradNormRecord) -> dict[str, Any]:
+    """``record`` as a JSON-ready dict (NaN and infinities as strings); :func:`record_from_json`
+    reads it back."""
+
     def num(value: float) -> float | str:
         return value if math.isfinite(value) else str(value)
 

@@ -7,7 +7,6 @@ shows for the running cell.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -101,11 +100,3 @@ def describe_value(value: Any) -> str:
         return f"{kind} ({len(value)} items)"
     text = repr(value)
     return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def usage_line(func: Any, command: str) -> str:
-    """``usage: %fsdp COMMAND [--option VALUE] ...`` for the subcommand whose options
-    ``func`` declares with ``magic_arguments``, on one line."""
-    usage = func.parser.format_usage()  # "::\n\n  %_fsdp_recover [--from ...]\n    [...]"
-    words = " ".join(usage.replace("::", " ").split())
-    return "usage: " + re.sub(r"^%\S+", f"%fsdp {command}", words)

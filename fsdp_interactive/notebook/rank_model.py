@@ -93,6 +93,8 @@ class RankModel:
     _probe = evaluate
 
     def layout(self) -> ModelLayout:
+        """The model's shard layout (:class:`~fsdp_interactive.inspect.ModelLayout`): units,
+        parameters, which rank holds which slice, and the bytes each rank holds."""
         optimizer = self.optimizer or "None"
         # Every rank describes the same parameters: only rank 0 sends them (a model with
         # thousands of parameters would otherwise send and unpickle them once per rank).
@@ -103,16 +105,23 @@ class RankModel:
         )
 
     def grad_norms(self, norm_type: float = 2.0) -> GradNorms:
+        """Gradient norms of ``norm_type`` (2.0, 1.0, ``float('inf')``, ...) per parameter and
+        module and in total, as the framework's own ``clip_grad_norm_`` computes them."""
         return self._probe(
             f"_fsdp_interactive_inspect.grad_norms({self.model}, {float(norm_type)!r})"
         )[0]
 
     def summon(self, fqn: str, bins: int = 40) -> TensorStats:
+        """Statistics of the full parameter ``fqn`` (clean or wrapped name) and a histogram of
+        ``bins`` bins, computed where the shards are: no parameter is gathered."""
         return self._probe(
             f"_fsdp_interactive_inspect.summon_stats({self.model}, {fqn!r}, bins={int(bins)})"
         )[0]
 
     def edit(self, fqn: str, expression: str, bins: int = 40) -> TensorStats:
+        """Set the full parameter ``fqn`` to ``expression`` (Python evaluated on every rank, ``p``
+        being the full parameter) and return its new statistics; only the units that own it are
+        gathered."""
         return self._probe(
             f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
             f"bins={int(bins)})"
@@ -127,9 +136,13 @@ class RankModel:
         )[0]
 
     def memory(self) -> list[MemoryStats]:
+        """Every rank's memory (process, parameters, gradients, optimizer state, CUDA where there
+        is one), in rank order."""
         return sorted(self._probe("_fsdp_interactive_inspect.memory()"), key=lambda m: m.rank)
 
     def history(self, since: int = 0) -> list[GradNormRecord]:
+        """The steps the recorder named at construction has recorded since step ``since``; without
+        a recorder, ``ValueError``."""
         if self.recorder is None:
             raise ValueError(
                 "no recorder: create RankModel(pool, recorder='recorder') naming a "
@@ -138,6 +151,7 @@ class RankModel:
         return self._probe(f"{self.recorder}.history(since={int(since)})")[0]
 
     def topology(self) -> list[Any]:
+        """The pool's ranks: rank, host, pid, device (one record per rank)."""
         return list(self.pool.topology)
 
     def names(self) -> tuple[list[str], list[str]]:

@@ -88,6 +88,8 @@ class SummonPanel(View):
         return self.data
 
     def apply(self, expression: str, confirm: bool = False) -> TensorStats:
+        """Set the selected parameter to ``expression`` on every rank (``confirm=True`` is
+        required: an edit writes to the model) and return its new statistics."""
         if self.fqn not in self.params:
             raise ValueError(f"{self.fqn!r} is a module; select one parameter to edit it")
         if not confirm:
@@ -126,15 +128,18 @@ class SummonPanel(View):
             raise
 
     def cancel(self) -> None:
+        """Drop the pending edit; nothing is written."""
         self.pending = None
         self.error = None
         self.message = "edit cancelled"
         self._changed()
 
     def figure(self) -> Any:
+        """The matplotlib histogram of the selected parameter (or module)."""
         return histogram_figure(self.data)
 
     def text(self) -> str:
+        """The selected parameter's statistics as plain text, with the last action's message."""
         return stats_text(self.data) + (f"\n{self.message}" if self.message else "")
 
     def html(self, figures: bool = True) -> str:

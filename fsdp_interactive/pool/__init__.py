@@ -11,6 +11,7 @@ method when it has one, each :class:`RankDisplay` they publish. Rank-side start-
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
 from fsdp_interactive.pool._state import PoolHealth, PoolState
@@ -56,3 +57,5 @@ __all__ = [
     "check_ssh_hosts",
     "visible_cuda_device_count",
 ]
+
+__dir__ = public_names(__name__)

@@ -94,6 +94,8 @@ class TaggedPrinter:
 
     @staticmethod
     def tag(rank: int, name: str) -> str:
+        """The prefix a line of ``rank``'s stream ``name`` is printed with: ``[rank 1] `` for
+        stdout, ``[rank 1:stderr] `` otherwise."""
         return f"[rank {rank}] " if name == "stdout" else f"[rank {rank}:{name}] "
 
     def __call__(self, rank: int, name: str, text: str) -> None:
@@ -137,6 +139,8 @@ class TaggedPrinter:
             self._status.update(key, "stderr", text)
 
     def flush(self) -> None:
+        """Print what is still buffered: each stream's unfinished last line, and the final state of
+        lines that moved in place."""
         for key in sorted(self._line_buffers):
             line = self._line_buffers[key].flush()
             rank, name = key

@@ -27,8 +27,11 @@ vouch for.
 Nothing here communicates except ``full_tensor``; nothing modifies the model.
 """
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.wrapping._model_params import ModelParams, model_params
 from fsdp_interactive.wrapping._param import OriginalParam, Piece
 from fsdp_interactive.wrapping._refusal import UnsupportedWrapping
 
 __all__ = ["ModelParams", "OriginalParam", "Piece", "UnsupportedWrapping", "model_params"]
+
+__dir__ = public_names(__name__)

@@ -372,6 +372,8 @@ class CollectiveTrace:
     last: int = 20
 
     def table(self, last: int | None = None) -> str:
+        """The trace as a text table: each rank's last ``last`` collectives per process group
+        (default: the ``last`` the trace was asked with)."""
         return table_text(self.dumps, self.last if last is None else last)
 
     def groups(self) -> list[tuple[str, str]]:
