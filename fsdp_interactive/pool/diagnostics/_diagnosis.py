@@ -129,6 +129,11 @@ class Diagnosis:
         self._thread_ids = dict(thread_ids)
         self._signal = signal
 
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank of the group, in order."""
+        return [record.rank for record in self._records]
+
     @classmethod
     def of_group(cls, group: Any, cluster_key: bytes, *, signal: Signaller) -> Diagnosis:
         """The diagnosis of a group that just formed (a ``pool._rendezvous.Group``), with
