@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from fsdp_interactive._lines import final_text
+from fsdp_interactive.pool._name_advice import advise_push
 from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter, received_metadata
 from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._death_report import CallRecord
@@ -401,7 +402,7 @@ class PendingCall:
                 self._watch.needs_restart()
             raise error
         if tracebacks:
-            raise RankError(tracebacks, errors)
+            raise advise_push(RankError(tracebacks, errors))
         return results
 
 
