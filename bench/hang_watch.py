@@ -117,28 +117,23 @@ def run(settings: Settings) -> FigureResult:
     result.measurements.update(dispatch)
     result.measurements.update(loop_stats)
     result.measurements[LOOK] = looks
-    result.comparisons += [
-        Comparison(
-            figure=result.key,
-            case="a normal cell (2 ranks)",
-            subject_name=WATCHED,
-            reference_name=UNWATCHED,
-            subject=dispatch[WATCHED],
-            reference=dispatch[UNWATCHED],
-            target=Target("<=", 1.05),
-            paired=True,
-        ),
-        Comparison(
-            figure=result.key,
-            case="a long cell of collectives (2 ranks)",
-            subject_name=LOOKED_AT,
-            reference_name=NOT_LOOKED_AT,
-            subject=loop_stats[LOOKED_AT],
-            reference=loop_stats[NOT_LOOKED_AT],
-            target=Target(">=", 0.98),
-            paired=True,
-        ),
-    ]
+    stats = {**dispatch, **loop_stats}
+    for case, subject, reference, target in (
+        ("a normal cell (2 ranks)", WATCHED, UNWATCHED, Target("<=", 1.05)),
+        ("a long cell of collectives (2 ranks)", LOOKED_AT, NOT_LOOKED_AT, Target(">=", 0.98)),
+    ):
+        result.comparisons.append(
+            Comparison(
+                figure=result.key,
+                case=case,
+                subject_name=subject,
+                reference_name=reference,
+                subject=stats[subject],
+                reference=stats[reference],
+                target=target,
+                paired=True,
+            )
+        )
     return result
 
 

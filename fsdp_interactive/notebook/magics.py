@@ -53,6 +53,25 @@ _SUBCOMMANDS = (
 _magics: FsdpMagics | None = None
 
 
+def _hang_notice_options(where: str, default: str) -> Any:
+    """The ``--hang-notice S`` and ``--no-hang-notice`` options of a magic, for ``where``."""
+
+    def add(func: Any) -> Any:
+        func = argument("--no-hang-notice", action="store_true", help=f"no hang notice in {where}")(
+            func
+        )
+        return argument(
+            "--hang-notice",
+            type=float,
+            default=None,
+            metavar="S",
+            help="seconds ranks may wait in a collective other ranks never reach before a live "
+            f"notice says so {default}",
+        )(func)
+
+    return add
+
+
 def current_pool() -> Any:
     """The pool that ``%fsdp start`` started in this kernel (None if there is none)."""
     return _magics.pool if _magics is not None else None
@@ -156,15 +175,7 @@ class FsdpMagics(RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
-    @argument(
-        "--hang-notice",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds ranks may wait in a collective others never reach before a cell says so "
-        "(default 30)",
-    )
-    @argument("--no-hang-notice", action="store_true", help="no live hang notice in any cell")
+    @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
         ranks with gloo (2 unless -n says otherwise); a topology table is shown."""
@@ -471,15 +482,7 @@ class FsdpMagics(RecoveryMagics, Magics):
         action="store_true",
         help="%%fsdp recover never runs this cell again",
     )
-    @argument(
-        "--hang-notice",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds ranks may wait in a collective other ranks never reach before a live "
-        "notice says so (default: the pool's, 30)",
-    )
-    @argument("--no-hang-notice", action="store_true", help="no live hang notice in this cell")
+    @_hang_notice_options("this cell", "(default: the pool's, 30)")
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.

@@ -10,9 +10,12 @@ test then finds gates that its observations did not open.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -115,3 +118,21 @@ class WatchedStream(io.StringIO):
         if self.seen in self.getvalue():
             self.gate.touch()
         return written
+
+
+@contextlib.contextmanager
+def stderr_opening(gate: Path, seen: str, fallback_s: float = 120.0) -> Iterator[WatchedStream]:
+    """``sys.stderr`` replaced, for the block, by a :class:`WatchedStream` that opens
+    ``gate`` once it holds ``seen``; the gate opens after ``fallback_s`` anyway (and at the
+    end), so that what waits for it ends."""
+    stream = WatchedStream(gate, seen)
+    fallback = threading.Timer(fallback_s, gate.touch)
+    fallback.daemon = True
+    fallback.start()
+    saved, sys.stderr = sys.stderr, stream
+    try:
+        yield stream
+    finally:
+        sys.stderr = saved
+        fallback.cancel()
+        gate.touch()

@@ -4,30 +4,21 @@ line on stderr, in magics' words) against the shared real 2-rank pool, and its o
 from __future__ import annotations
 
 import re
-import sys
-import threading
 
 import pytest
 from IPython.core.error import UsageError
 
 from fsdp_interactive.notebook._magic_io import cell_hang_notice
-from tests.notebook.gates import WatchedStream, one_sided_barrier
+from tests.notebook.gates import one_sided_barrier, stderr_opening
 
 
 @pytest.mark.timing
 def test_a_cell_whose_rank_0_waits_in_a_barrier_shows_a_notice_until_the_cell_ends(
-    pool_shell, pool, tmp_path, monkeypatch
+    pool_shell, pool, tmp_path
 ):
     arrive = tmp_path / "arrive"
-    stderr = WatchedStream(arrive, "possible hang")
-    monkeypatch.setattr(sys, "stderr", stderr)
-    fallback = threading.Timer(120, arrive.touch)
-    fallback.start()
-    try:
+    with stderr_opening(arrive, "possible hang") as stderr:
         result = pool_shell.run_cell("%%fsdp --hang-notice 2\n" + one_sided_barrier(arrive))
-    finally:
-        fallback.cancel()
-        arrive.touch()
     result.raise_error()
     err = stderr.getvalue()
     notice = re.search(r"\r(possible hang: [^\r]*?)\s*\r", err)

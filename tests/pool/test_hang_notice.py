@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 import threading
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from fsdp_interactive.pool.diagnostics._hang_watch import (
     rank_state,
     threshold,
 )
-from tests.notebook.gates import WatchedStream, held_until, one_sided_barrier
+from tests.notebook.gates import held_until, one_sided_barrier, stderr_opening
 
 THRESHOLD_S = 2.0
 _WATCH_LOG = "fsdp_interactive.pool.diagnostics._hang_watch"
@@ -166,21 +165,12 @@ def test_the_pools_threshold_applies_and_false_turns_the_notice_off(
 
 
 @pytest.mark.timing
-def test_a_notice_for_a_sink_without_hang_is_a_moving_line_on_stderr(
-    pool: Pool, marker_dir: Path, monkeypatch
-):
+def test_a_notice_for_a_sink_without_hang_is_a_moving_line_on_stderr(pool: Pool, marker_dir: Path):
     # A plain function as on_output has no hang(): the notice moves on stderr's last line
     # (a carriage return before it), in API words, and is erased when the call ends.
     arrive = marker_dir / "arrive"
-    stderr = WatchedStream(arrive, "possible hang")
-    monkeypatch.setattr(sys, "stderr", stderr)
-    fallback = threading.Timer(120, arrive.touch)
-    fallback.start()
-    try:
+    with stderr_opening(arrive, "possible hang") as stderr:
         pool.run(one_sided_barrier(arrive), on_output=lambda *_: None, hang_notice=1.0)
-    finally:
-        fallback.cancel()
-        arrive.touch()
     err = stderr.getvalue()
     assert "\rpossible hang: rank 0 has waited" in err
     assert "(line 8: dist.barrier()); rank 1 finished the cell" in err
