@@ -70,6 +70,10 @@ _LAZY = {
 }
 
 
+#: Declared for the API reference (imported above from ``_records``):
+NO_GRADIENTS: str
+"""What a gradient-norm record (its ``repr``) and the views say before the first backward."""
+
 #: Declared for the API reference (the value comes from ``_pull`` when first used):
 TOO_LARGE: str
 """The words in the ``ValueError`` of ``plain_copy`` and ``full_param`` for a value over

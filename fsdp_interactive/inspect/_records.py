@@ -195,8 +195,8 @@ def _with_every_rank(param: ParamLayout, ordered: list[RankLayout]) -> ParamLayo
     return replace(param, slices=slices)
 
 
-#: What a gradient-norm record or view says before the first backward.
 NO_GRADIENTS = "no gradients yet: run a backward pass on the ranks first"
+"""What a gradient-norm record or view says before the first backward."""
 
 
 @dataclass(frozen=True)
