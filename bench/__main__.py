@@ -39,6 +39,7 @@ FIGURES: tuple[str, ...] = (
     "checkpoint",
     "debug_cost",
     "state_scaling",
+    "hang_watch",
 )
 #: Figures too long for every run (minutes of GPT-2 small on fresh processes each): run by
 #: ``--only recovery --merge`` (or ``snapshot_cost``), which replaces the figure in

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -195,6 +195,10 @@ def _with_every_rank(param: ParamLayout, ordered: list[RankLayout]) -> ParamLayo
     return replace(param, slices=slices)
 
 
+NO_GRADIENTS = "no gradients yet: run a backward pass on the ranks first"
+"""What a gradient-norm record or view says before the first backward."""
+
+
 @dataclass(frozen=True)
 class GradNorms:
     """Gradient norms of a model, the same on every rank.
@@ -206,7 +210,9 @@ class GradNorms:
     parameters whose gradient holds a NaN or an Inf, with their counts.  ``units`` maps an
     FSDP unit's FQN ("" is the root unit) -> the norm over the parameters it manages, and
     ``unit_of`` a parameter's FQN -> its unit; both are empty when no ``fully_shard``
-    manages the model's parameters.
+    manages the model's parameters.  Before the first backward no parameter has a
+    gradient: ``params`` is empty, ``total`` is 0.0 (as ``clip_grad_norm_`` returns) and the
+    record says "no gradients yet" when shown, as the views do (``has_gradients``: False).
     """
 
     norm_type: float
@@ -217,6 +223,17 @@ class GradNorms:
     inf_counts: dict[str, int] = field(default_factory=dict)
     units: dict[str, float] = field(default_factory=dict)
     unit_of: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether any parameter had a gradient (``False`` before the first backward)."""
+        return bool(self.params)
+
+    def __repr__(self) -> str:
+        if not self.has_gradients:
+            return f"GradNorms(norm_type={self.norm_type:g}, {NO_GRADIENTS})"
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"GradNorms({shown})"
 
     @property
     def nonfinite(self) -> list[str]:

@@ -20,6 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
+    cell_hang_notice,
     current_cell_number,
     describe_value,
     parse_targets,
@@ -50,6 +51,25 @@ _SUBCOMMANDS = (
 )
 
 _magics: FsdpMagics | None = None
+
+
+def _hang_notice_options(where: str, default: str) -> Any:
+    """The ``--hang-notice S`` and ``--no-hang-notice`` options of a magic, for ``where``."""
+
+    def add(func: Any) -> Any:
+        func = argument("--no-hang-notice", action="store_true", help=f"no hang notice in {where}")(
+            func
+        )
+        return argument(
+            "--hang-notice",
+            type=float,
+            default=None,
+            metavar="S",
+            help="seconds ranks may wait in a collective other ranks never reach before a live "
+            f"notice says so {default}",
+        )(func)
+
+    return add
 
 
 def current_pool() -> Any:
@@ -155,10 +175,12 @@ class FsdpMagics(RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
         ranks with gloo (2 unless -n says otherwise); a topology table is shown."""
         args = self._parse(self._fsdp_start, rest, "start")
+        hang_notice = cell_hang_notice(args.hang_notice, args.no_hang_notice, "%fsdp start")
         if self.pool is not None and self.pool.running:
             raise UsageError(
                 f"a pool with {self.pool.world_size} ranks is already running; "
@@ -189,6 +211,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                **({} if hang_notice is None else {"hang_notice": hang_notice}),
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None
@@ -459,6 +482,7 @@ class FsdpMagics(RecoveryMagics, Magics):
         action="store_true",
         help="%%fsdp recover never runs this cell again",
     )
+    @_hang_notice_options("this cell", "(default: the pool's, 30)")
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.
@@ -470,11 +494,15 @@ class FsdpMagics(RecoveryMagics, Magics):
         frames); ``-o NAME`` keeps the timeout error so that ``NAME.wait()`` can keep
         waiting.  Tracebacks and stacks name the cell as the notebook numbers it; a rank's
         failure stays available to ``%fsdp debug``.  ``fsdp_interactive.breakpoint(rank=R)``
-        in the cell stops rank R and asks for debugger commands in the input box.
+        in the cell stops rank R and asks for debugger commands in the input box.  When
+        ranks have waited ``--hang-notice`` seconds (the pool's 30 by default) in a
+        collective other ranks never reach, a live notice names them, the collective and
+        the line, until they move on; ``--no-hang-notice`` leaves it out.
         """
         args = self._parse_cell(line)
         if args.replay and args.no_replay:
             raise UsageError("%%fsdp: type either --replay or --no-replay, not both")
+        hang_notice = cell_hang_notice(args.hang_notice, args.no_hang_notice, "%%fsdp")
         if self.pool is not None and self.pool.state == "broken":
             try:  # raises what happened to the group, and what works now
                 self.pool.run(cell, cell=current_cell_number(self.shell))
@@ -501,6 +529,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 cell=current_cell_number(self.shell),
                 native=args.native,
                 replay=True if args.replay else False if args.no_replay else None,
+                hang_notice=hang_notice,
             )
         except TimeoutError as error:
             sink.flush()

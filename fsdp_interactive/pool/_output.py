@@ -12,7 +12,9 @@ from the calling thread, so in a notebook the text lands in the cell that starte
 run. A line a rank rewrites with carriage returns (a ``tqdm`` bar, ``print(...,
 end="\\r")``) moves in place on the stream's last line, tagged the same, and is printed
 in its final state when it ends; so are the bars of ``tqdm.auto`` (displays under
-:data:`fsdp_interactive._bar_state.MIME`). Other displays are collected, not printed.
+:data:`fsdp_interactive._bar_state.MIME`). Other displays are collected, not printed. A
+running call's hang notice (:mod:`.diagnostics._hang_watch`) takes that moving line, on
+stderr, while it is shown.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fsdp_interactive.pool._call_output import (
     RankText,
     received_metadata,
 )
+from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice
 
 OutputSink = Callable[[int, str, str], None]
 
@@ -137,6 +140,14 @@ class TaggedPrinter:
             self._status.end(key, "stderr", text if state.leave else None)
         elif self._live:
             self._status.update(key, "stderr", text)
+
+    def hang(self, notice: HangNotice | None) -> None:
+        """Show a running call's hang notice on stderr's moving line, in API calls
+        (``None``: take it away)."""
+        if notice is None:
+            self._status.end(HangNotice.LINE_KEY, "stderr", None)
+        else:
+            self._status.update(HangNotice.LINE_KEY, "stderr", notice.text(notebook=False))
 
     def flush(self) -> None:
         """Print what is still buffered: each stream's unfinished last line, and the final state of

@@ -150,6 +150,11 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def collective_label(record: CollectiveRecord) -> str:
+    """``barrier #12``; outside the default group ``group 1 (desc): all_reduce #3``."""
+    return f"{_group_label(record.group, record.group_desc)}{record.op} #{record.seq}"
+
+
 def _group_label(group: str, desc: str) -> str:
     return "" if group == DEFAULT_GROUP else f"group {group} ({desc}): "
 
