@@ -13,6 +13,7 @@ method when it has one, each :class:`RankDisplay` they publish. Rank-side start-
 
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
@@ -52,6 +53,8 @@ __all__ = [
     "RecorderDump",
     "RecoveryError",
     "RunResult",
+    "ScriptRunError",
+    "ScriptStatus",
     "TaggedPrinter",
     "check_ssh_hosts",
     "visible_cuda_device_count",

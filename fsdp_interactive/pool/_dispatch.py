@@ -160,7 +160,9 @@ class PendingCall:
     ``cell``: its label ("Cell In[15]"). ``native``: a timeout's report adds py-spy's
     native frames. ``finish``: turns the per-rank results into the value :meth:`wait`
     returns. ``prompt(text)``: how a debugger prompt asks the user (default:
-    :func:`ask_user`).
+    :func:`ask_user`). ``on_interrupt(ranks)``: what the first Ctrl-C does instead of
+    interrupting (a script run asks the ranks still running to pause at their next
+    optimizer step, and the wait goes on); a second Ctrl-C interrupts.
     """
 
     def __init__(
@@ -175,8 +177,10 @@ class PendingCall:
         native: bool = False,
         finish: Callable[[list[Any]], Any] | None = None,
         prompt: Callable[[str], str] | None = None,
+        on_interrupt: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.handles = handles
+        self._on_interrupt = on_interrupt
         self._watch = watch
         self._code = code
         self._cell = cell
@@ -220,7 +224,14 @@ class PendingCall:
                         native=self._native,
                         targets=list(self.handles),
                     )
-                self.handles[pending[0]].wait(_POLL_S)
+                try:
+                    self.handles[pending[0]].wait(_POLL_S)
+                except KeyboardInterrupt:
+                    if self._on_interrupt is None:
+                        raise
+                    first, self._on_interrupt = self._on_interrupt, None
+                    first(self.pending_ranks())
+                    continue
                 if self.handles[pending[0]].ready():
                     continue  # progress: liveness is checked only when a wait ran out
                 dead = self._watch.dead_ranks()

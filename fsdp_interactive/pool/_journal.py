@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from fsdp_interactive._text import text_table
 from fsdp_interactive.pool._cell_effects import CellEffects, effects_of
 from fsdp_interactive.pool._generator_states import GeneratorStates
+from fsdp_interactive.pool._script_record import ScriptRecord
 from fsdp_interactive.pool.errors import RankDied
 
 #: Outcomes of an entry; only ``ok`` entries are replayed.
@@ -80,6 +81,9 @@ class JournalEntry:
     #: What the journal shows for the call instead of ``source`` (the magic line that
     #: generated the code), ``None``: its source.
     shown: str | None = None
+    #: A script run or its continuation (``Pool.run_script``): what ran and where it
+    #: paused (:class:`~._script_record.ScriptRecord`); ``None`` for other calls.
+    script: ScriptRecord | None = None
 
     @property
     def replayable(self) -> bool:
