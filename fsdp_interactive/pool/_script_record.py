@@ -49,7 +49,8 @@ class ScriptRecord:
 
     @property
     def label(self) -> str:
-        return f"{self.path.rsplit('/', 1)[-1]} {' '.join(self.args)}".strip()
+        """The script's file name."""
+        return self.path.rsplit("/", 1)[-1]
 
 
 def call_code(function: str, spec: Mapping[str, Any]) -> str:
@@ -83,31 +84,38 @@ def script_groups(entries: Sequence[Any]) -> dict[int, list[Any]]:
     return groups
 
 
-def replay_refusal(replayed: Sequence[Any], taken_in: Any | None, world: int) -> str | None:
+def replay_refusal(
+    replayed: Sequence[Any],
+    taken_in: Any | None,
+    world: int | None,
+    dropped_hosts: Sequence[str] = (),
+) -> str | None:
     """Why a recovery cannot replay the script runs it needs, or ``None``.
 
     ``replayed``: the entries the recovery replays; ``taken_in``: the journal entry the
     snapshot was taken during (``None``: outside any call); ``world``: the ranks it
-    recovers onto.
+    recovers onto (``None``: as many as before); ``dropped_hosts``: lost hosts it leaves out.
     """
     record = getattr(taken_in, "script", None)
     if isinstance(record, ScriptRecord):
         return (
             f"the snapshot was taken by the script {record.label} itself while it ran "
             f"({taken_in.label}), at a point where no replay can stop it; take snapshots "
-            "while the script is paused"
+            "while the script is paused (stop_at=N, then a snapshot)"
         )
     for group in script_groups(replayed).values():
         first = group[0].script
         if first.kind != "run":
             return (
-                f"the script run that {group[0].label} continues is not in the journal's "
-                "epoch, so it cannot be run again to its pause"
+                f"the script run that {group[0].label} continues is not in this epoch of "
+                "the journal, so it cannot be run again to its pause"
             )
-        if first.world_size != world:
+        ranks = first.world_size if world is None and not dropped_hosts else world
+        if ranks != first.world_size:
+            onto = f"on {ranks} ranks" if ranks is not None else "without the lost hosts"
             return (
                 f"the script run {group[0].label} ({first.label}) ran on {first.world_size} "
-                f"ranks; run again on {world} its data and steps would differ, so its pause "
+                f"ranks; run again {onto} its data and steps would differ, so its pause "
                 "could not be reached as it was"
             )
     return None
