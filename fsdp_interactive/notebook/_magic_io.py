@@ -7,6 +7,7 @@ shows for the running cell.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -109,3 +110,9 @@ def usage_line(func: Any, command: str) -> str:
     usage = func.parser.format_usage()  # "::\n\n  %_fsdp_recover [--from ...]\n    [...]"
     words = " ".join(usage.replace("::", " ").split())
     return "usage: " + re.sub(r"^%\S+", f"%fsdp {command}", words)
+
+
+def stream_default() -> bool:
+    """Stream a cell's output unless ``IPP_NONINTERACTIVE`` is set (as ``%%px`` does, for
+    nbval runs)."""
+    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")

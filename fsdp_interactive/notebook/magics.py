@@ -9,7 +9,6 @@ type instead.  The kernel never touches CUDA here: memory and devices are asked 
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from typing import Any
@@ -27,9 +26,11 @@ from fsdp_interactive.notebook._magic_io import (
     rank_error_class,
     shown_as_message,
     shown_message,
+    stream_default,
     usage_line,
 )
 from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
+from fsdp_interactive.notebook._script_magics import ScriptMagics
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
@@ -47,6 +48,8 @@ _SUBCOMMANDS = (
     "snapshot",
     "journal",
     "recover",
+    "run",
+    "continue",
 )
 
 _magics: FsdpMagics | None = None
@@ -58,7 +61,7 @@ def current_pool() -> Any:
 
 
 @magics_class
-class FsdpMagics(RecoveryMagics, Magics):
+class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
     """The ``%fsdp`` family; one instance per IPython shell."""
 
     def __init__(self, shell: Any) -> None:
@@ -110,6 +113,17 @@ class FsdpMagics(RecoveryMagics, Magics):
                                                 back to the last snapshot after a fault:
                                                 a fresh group, the cells that build what
                                                 it restores replayed, the snapshot loaded
+        %fsdp run [--stop-at N] [--targets T] [--cwd DIR] SCRIPT [ARGS ...]
+                                                run a torchrun script on the ranks as it is;
+                                                what it built stays (its globals and its
+                                                frames' locals); --stop-at pauses every
+                                                rank after its N-th optimizer step
+        %fsdp continue [--stop-at M | --stop]   resume the paused script run
+        %fsdp export PATH [--sbatch] [--nodes N --gpus-per-node G] [--from-snapshot ID |
+                    --from-checkpoint DIR] [--train CELL ...] [--dry-run]
+                                                the cells that built the ranks' state as a
+                                                torchrun script (and sbatch file) that
+                                                reproduces it bit for bit
         """
         words = line.strip().split(None, 1)
         if not words:
@@ -449,7 +463,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 "cell would wait for the other ranks forever]",
                 file=sys.stderr,
             )
-        stream = args.stream if args.stream is not None else _stream_default()
+        stream = args.stream if args.stream is not None else stream_default()
         sink = StreamSink(ranks, all_ranks=args.group_outputs is not None, live=stream)
         try:
             result = pool.run(
@@ -523,11 +537,6 @@ def _auto_transform(lines: list[str]) -> list[str]:
     if first.startswith("%") or first.lower().startswith("# local"):
         return lines
     return ["%%fsdp\n", *lines]
-
-
-def _stream_default() -> bool:
-    """Stream unless ``IPP_NONINTERACTIVE`` is set (as ``%%px`` does, for nbval runs)."""
-    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")
 
 
 def load_ipython_extension(ipython: Any) -> None:

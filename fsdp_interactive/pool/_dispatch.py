@@ -181,6 +181,7 @@ class PendingCall:
     ) -> None:
         self.handles = handles
         self._on_interrupt = on_interrupt
+        self._end: float | None = None
         self._watch = watch
         self._code = code
         self._cell = cell
@@ -203,40 +204,17 @@ class PendingCall:
         Returns ``finish(per-rank results)`` (the plain list without ``finish``). Raises
         RankTimeout, RankDied, RankInterrupted or RankError.
         """
-        end = None if timeout is None else time.monotonic() + timeout
+        self._end = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                pending = self.pending_ranks()
-                self._pump()
-                if not pending:
-                    break
-                prompted = self._serve_prompts()
-                if end is not None:
-                    end += prompted
-                if end is not None and time.monotonic() > end:
-                    self._watch.unfinished.remember(self.handles)
-                    raise self._watch.diagnosis.timeout_error(
-                        pending,
-                        f"{timeout:g}s",
-                        self._code,
-                        self.wait,
-                        cell=self._cell,
-                        native=self._native,
-                        targets=list(self.handles),
-                    )
                 try:
-                    self.handles[pending[0]].wait(_POLL_S)
+                    if not self._wait_a_little(timeout):
+                        break
                 except KeyboardInterrupt:
                     if self._on_interrupt is None:
                         raise
                     first, self._on_interrupt = self._on_interrupt, None
                     first(self.pending_ranks())
-                    continue
-                if self.handles[pending[0]].ready():
-                    continue  # progress: liveness is checked only when a wait ran out
-                dead = self._watch.dead_ranks()
-                if dead:
-                    self._fail_dead(dead)
             for handle in self.handles.values():
                 # stream messages may trail the reply; wait for them briefly
                 handle.wait_for_output(_OUTPUT_GRACE_S)
@@ -254,6 +232,35 @@ class PendingCall:
         # every step would otherwise accumulate in the kernel).
         self._watch.purge(list(self.handles.values()))
         return value
+
+    def _wait_a_little(self, timeout: float | None) -> bool:
+        """One round of :meth:`wait`: pass on output and prompts, check the deadline, wait
+        briefly for the first pending rank, check liveness; False once no rank is pending."""
+        pending = self.pending_ranks()
+        self._pump()
+        if not pending:
+            return False
+        prompted = self._serve_prompts()
+        if self._end is not None:
+            self._end += prompted
+        if self._end is not None and time.monotonic() > self._end:
+            self._watch.unfinished.remember(self.handles)
+            raise self._watch.diagnosis.timeout_error(
+                pending,
+                f"{timeout:g}s",
+                self._code,
+                self.wait,
+                cell=self._cell,
+                native=self._native,
+                targets=list(self.handles),
+            )
+        self.handles[pending[0]].wait(_POLL_S)
+        if self.handles[pending[0]].ready():
+            return True  # progress: liveness is checked only when a wait ran out
+        dead = self._watch.dead_ranks()
+        if dead:
+            self._fail_dead(dead)
+        return True
 
     def _serve_prompts(self) -> float:
         """Answer the debugger prompts ranks sent; the seconds spent waiting for the user."""

@@ -510,6 +510,7 @@ class Pool(FaultCalls, DebuggingCalls):
         stream: bool = True,
         on_output: OutputSink | None = None,
         cell: int | None = None,
+        journal_text: str | None = None,
     ) -> _script_calls.ScriptStatus:
         """Run the torchrun script ``path`` with ``args`` on the targeted ranks, unmodified,
         and keep what it built; return where it stands (:class:`ScriptStatus`).
@@ -526,7 +527,8 @@ class Pool(FaultCalls, DebuggingCalls):
         the same way. The first Ctrl-C pauses it after the next optimizer step; the second
         interrupts it. A script that raises raises :class:`RankError` with its traceback
         (``error.script_status`` says what it kept). Journaled like a cell
-        (:mod:`._script_record`); one run at a time.
+        (:mod:`._script_record`; ``journal_text``: what the journal shows for it, as for
+        :meth:`run`); one run at a time.
         """
         return _script_calls.run_script(
             self,
@@ -539,6 +541,7 @@ class Pool(FaultCalls, DebuggingCalls):
             stream=stream,
             on_output=on_output,
             cell=cell,
+            shown=journal_text,
         )
 
     def continue_script(
@@ -550,6 +553,7 @@ class Pool(FaultCalls, DebuggingCalls):
         stream: bool = True,
         on_output: OutputSink | None = None,
         cell: int | None = None,
+        journal_text: str | None = None,
     ) -> _script_calls.ScriptStatus:
         """Resume the paused script run, to pause again after its ``stop_at``-th optimizer
         step (counted from the run's start; ``None``: run to the end or to an interrupt);
@@ -562,6 +566,7 @@ class Pool(FaultCalls, DebuggingCalls):
             stream=stream,
             on_output=on_output,
             cell=cell,
+            shown=journal_text,
         )
 
     def script_status(self) -> _script_calls.ScriptStatus | None:

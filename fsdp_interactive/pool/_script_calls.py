@@ -149,10 +149,9 @@ def run_script(
     on_output: OutputSink | None = None,
     cell: int | None = None,
     shown: str | None = None,
-    notebook: bool = False,
 ) -> ScriptStatus:
     """``Pool.run_script`` (see the pool's method). ``shown``: the journal's text for the
-    call (the magic line); ``notebook``: say what to type in magics."""
+    call (the magic line)."""
     script = _script_path(path)
     arguments = _arguments(args)
     stop_at = _stop_at(stop_at)
@@ -190,9 +189,7 @@ def run_script(
     )
     code = call_code("start", spec)
     text = shown or f"pool.run_script({script!r}, {list(arguments)!r}, stop_at={stop_at!r})"
-    return _journaled_call(
-        pool, code, record, targets, timeout, stream, on_output, cell, text, notebook
-    )
+    return _journaled_call(pool, code, record, targets, timeout, stream, on_output, cell, text)
 
 
 def continue_script(
@@ -205,7 +202,6 @@ def continue_script(
     on_output: OutputSink | None = None,
     cell: int | None = None,
     shown: str | None = None,
-    notebook: bool = False,
 ) -> ScriptStatus:
     """``Pool.continue_script`` (see the pool's method)."""
     stop_at = _stop_at(stop_at)
@@ -239,9 +235,7 @@ def continue_script(
     verb = "stop=True" if stop else f"stop_at={stop_at!r}"
     text = shown or f"pool.continue_script({verb})"
     targets = paused if len(paused) < pool.world_size else None
-    return _journaled_call(
-        pool, code, record, targets, timeout, stream, on_output, cell, text, notebook
-    )
+    return _journaled_call(pool, code, record, targets, timeout, stream, on_output, cell, text)
 
 
 def script_status(pool: Pool) -> ScriptStatus | None:
@@ -263,7 +257,6 @@ def _journaled_call(
     on_output: OutputSink | None,
     cell: int | None,
     shown: str,
-    notebook: bool,
 ) -> ScriptStatus:
     """Run ``code`` as a journaled call whose entry keeps ``record``; its status."""
     ranks = resolve_targets(targets, pool.world_size)

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
+import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.pool import Pool, RankError, ScriptRunError
+from fsdp_interactive.pool import Pool, RankError, RankInterrupted, ScriptRunError
+from tests.pool.conftest import record
 from tests.torchrun_reference import SCRIPTS, differences, torchrun
 
 
@@ -211,3 +217,115 @@ def test_cwd_and_sibling_imports(pool: Pool, tmp_path: Path):
     assert values(pool, "(ANSWER, here)") == {r: (42, str(tmp_path)) for r in (0, 1)}
     assert values(pool, "import os; os.getcwd() != here") == {0: True, 1: True}
     assert os.getcwd() != str(tmp_path)
+
+
+# Each step waits for the test to let it go (a file go-STEP), after saying it arrived
+# (at-RANK-STEP): the test then knows where every rank stands when it presses Ctrl-C.
+STEPS_ON_CUE = """
+import os, sys, time
+import torch
+
+folder = sys.argv[1]
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1000):
+    open(os.path.join(folder, f"at-{os.environ['RANK']}-{step}"), "w").close()
+    while not os.path.exists(os.path.join(folder, f"go-{step}")):
+        time.sleep(0.01)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+"""
+
+
+def _waiting_call() -> object | None:
+    """The :class:`PendingCall` this process's main thread waits in, if any."""
+    from fsdp_interactive.pool._dispatch import PendingCall
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_code is not PendingCall.wait.__code__:
+        frame = frame.f_back
+    return frame.f_locals.get("self") if frame is not None else None
+
+
+def _in_background(action: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until(condition: Callable[[], bool], timeout: float = 120) -> bool:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.timing
+def test_first_interrupt_pauses_at_the_next_step_second_stops(pool: Pool, tmp_path: Path):
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    script = write(tmp_path, "on_cue.py", STEPS_ON_CUE)
+    (tmp_path / "go-0").touch()
+    arrived = lambda step: all((tmp_path / f"at-{r}-{step}").exists() for r in (0, 1))  # noqa: E731
+    called = threading.Event()
+
+    def press_once_then_let_go() -> None:
+        # both ranks wait at step 1: Ctrl-C asks for a pause; then every step may go on
+        if _until(lambda: arrived(1) and _waiting_call() is not None):
+            os.kill(os.getpid(), signal.SIGINT)
+            step = 1
+            while not called.is_set() and step < 50:
+                (tmp_path / f"go-{step}").touch()
+                _until(lambda s=step: arrived(s + 1) or called.is_set(), timeout=30)
+                step += 1
+
+    thread = _in_background(press_once_then_let_go)
+    try:
+        status = pool.run_script(script, [str(tmp_path)])
+    finally:
+        called.set()
+        thread.join(30)
+    assert status.paused and status.paused_by == "interrupt" and status.steps >= 2
+    assert not any((tmp_path / f"at-{r}-{status.steps}").exists() for r in (0, 1))
+
+    # continued, both ranks wait for a step that never comes: Ctrl-C twice stops the run
+    waiting_for = status.steps + 1
+
+    def press_twice() -> None:
+        if _until(lambda: arrived(waiting_for) and _waiting_call() is not None):
+            os.kill(os.getpid(), signal.SIGINT)
+            _until(lambda: getattr(_waiting_call(), "_on_interrupt", None) is None)
+            time.sleep(0.3)  # the ranks take the first before the second
+            os.kill(os.getpid(), signal.SIGINT)
+
+    for step in range(status.steps, waiting_for):
+        (tmp_path / f"go-{step}").touch()
+    thread = _in_background(press_twice)
+    with pytest.raises(RankInterrupted):
+        pool.continue_script()
+    thread.join(30)
+    after = pool.script_status()
+    assert after.state == "interrupted" and after.steps == waiting_for
+    assert values(pool, "type(model).__name__") == {0: "Linear", 1: "Linear"}  # kept
+    assert not pool.needs_restart and not pool.busy_ranks()
+
+
+@pytest.mark.world4
+def test_fsdp1_script_on_four_ranks_equals_torchrun(profile_dir: str, tmp_path: Path):
+    script = SCRIPTS / "plain_fsdp1.py"
+    torchrun(script, 4, "--steps", "6", "--save", str(tmp_path / "torchrun"))
+    four = Pool(n=4, devices="cpu", profile_dir=profile_dir, show_topology=False)
+    try:
+        four.start()
+        record(four)
+        status = four.run_script(
+            script, ["--steps", "6", "--save", str(tmp_path / "pool")], stop_at=4
+        )
+        assert status.paused and status.steps_by_rank == {0: 4, 1: 4, 2: 4, 3: 4}
+        assert values(four, "int(os.environ['WORLD_SIZE'])") == {r: 4 for r in range(4)}
+        assert four.continue_script().steps == 6
+    finally:
+        four.stop()
+        record(four)
+    assert differences(tmp_path / "torchrun", tmp_path / "pool", 4) == []

@@ -1,0 +1,135 @@
+"""``%fsdp run``, ``%fsdp continue`` and ``%fsdp export``: torchrun scripts into the pool,
+and the notebook's session out as a job.
+
+A part of :class:`~.magics.FsdpMagics` (a base class); ``%fsdp`` dispatches its
+subcommands here. ``run`` and ``continue`` show the ranks' output as a ``%%fsdp`` cell
+does (rank 0's and every rank's errors, progress bars moving in place), then where the
+run stands and what it kept, in the words a notebook user types; ``export`` writes the
+script (:mod:`fsdp_interactive.pool._export`) and says how to launch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from fsdp_interactive.notebook._cell_output import outputs_of, show_outputs
+from fsdp_interactive.notebook._magic_io import (
+    current_cell_number,
+    parse_targets,
+    pool_failures,
+    shown_as_message,
+    stream_default,
+)
+from fsdp_interactive.notebook._stream_sink import StreamSink
+
+
+class ScriptMagics:
+    """The script subcommands of ``%fsdp``."""
+
+    pool: Any
+    shell: Any
+
+    def _require_pool(self) -> Any:
+        raise NotImplementedError
+
+    def _parse(self, func: Any, rest: str, command: str) -> Any:
+        raise NotImplementedError
+
+    @magic_arguments()
+    @argument("--stop-at", type=int, default=None, metavar="N", help="pause after step N")
+    @argument("--targets", "-t", default="all", help="ranks to run on: 0,2 | 0-1 | all")
+    @argument("--cwd", default=None, help="the script's working directory (default: here)")
+    @argument("--timeout", type=float, default=None, help="seconds before the hang report")
+    @argument("script", help="the torchrun script")
+    @argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    def _fsdp_run(self, rest: str) -> None:
+        """%fsdp run"""
+        args = self._parse(self._fsdp_run, rest, "run")
+        pool = self._require_pool()
+        if args.stop_at is not None and args.stop_at < 1:
+            raise UsageError(f"--stop-at {args.stop_at}: type a step number >= 1")
+        if not os.path.isfile(args.script):
+            raise UsageError(
+                f"%fsdp run: no script {args.script!r} (working directory {os.getcwd()}); "
+                "type its path, e.g. %fsdp run --stop-at 5 train.py --lr 0.1"
+            )
+        targets = parse_targets(args.targets, pool.world_size)
+        ranks = targets if targets is not None else list(range(pool.world_size))
+        self._script_call(
+            ranks,
+            lambda sink: pool.run_script(
+                args.script,
+                list(args.args),
+                targets=targets,
+                stop_at=args.stop_at,
+                cwd=args.cwd,
+                timeout=args.timeout,
+                on_output=sink,
+                cell=current_cell_number(self.shell),
+                journal_text=f"%fsdp run {rest.strip()}",
+            ),
+            hint_options=[a for a in args.args if a in ("--stop-at", "--targets", "--cwd")],
+        )
+
+    @magic_arguments()
+    @argument("--stop-at", type=int, default=None, metavar="M", help="pause again after step M")
+    @argument("--stop", action="store_true", help="end the run at its pause")
+    @argument("--timeout", type=float, default=None, help="seconds before the hang report")
+    def _fsdp_continue(self, rest: str) -> None:
+        """%fsdp continue"""
+        args = self._parse(self._fsdp_continue, rest, "continue")
+        pool = self._require_pool()
+        if args.stop and args.stop_at is not None:
+            raise UsageError("%fsdp continue: type either --stop-at M or --stop, not both")
+        if args.stop_at is not None and args.stop_at < 1:
+            raise UsageError(f"--stop-at {args.stop_at}: type a step number >= 1")
+        status = pool.script_status()
+        if status is None or not status.paused:
+            raise UsageError(
+                "%fsdp continue: no script run is paused; start one with "
+                "%fsdp run --stop-at N SCRIPT"
+            )
+        if args.stop_at is not None and args.stop_at <= status.steps:
+            raise UsageError(
+                f"--stop-at {args.stop_at}: {status.name} has already taken {status.steps} "
+                f"steps; type a later step, e.g. --stop-at {status.steps + 5}"
+            )
+        self._script_call(
+            list(status.ranks),
+            lambda sink: pool.continue_script(
+                args.stop_at,
+                stop=args.stop,
+                timeout=args.timeout,
+                on_output=sink,
+                cell=current_cell_number(self.shell),
+                journal_text=f"%fsdp continue {rest.strip()}".strip(),
+            ),
+        )
+
+    def _script_call(self, ranks: list[int], call: Any, hint_options: list[str] = ()) -> None:
+        """Run a script call with the cell's output sink; show its outputs, then its status
+        (also when it failed, with what the script kept)."""
+        stream = stream_default()
+        sink = StreamSink(ranks, all_ranks=False, live=stream)
+        try:
+            status = call(sink)
+        except pool_failures() as error:
+            sink.flush()
+            show_outputs(outputs_of(sink, None, ranks), None, streamed=stream)
+            kept = getattr(error, "script_status", None)
+            if kept is not None:
+                print("\n".join(kept.lines(notebook=True)))
+            if hint_options and "SystemExit: 2" in str(error):
+                print(
+                    f"note: {', '.join(hint_options)} went to the script: options of %fsdp "
+                    "run go before the script's path, e.g. %fsdp run --stop-at 5 train.py"
+                )
+            raise shown_as_message(error) from None
+        sink.flush()
+        show_outputs(outputs_of(sink, None, ranks), None, streamed=stream)
+        print("\n".join(status.lines(notebook=True)))
