@@ -111,6 +111,56 @@ class ScriptMagics:
             ),
         )
 
+    @magic_arguments()
+    @argument("path", help="the script to write (a .py file)")
+    @argument("--sbatch", action="store_true", help="also write an sbatch file")
+    @argument("--nodes", type=int, default=None, help="the job's nodes (default: the pool's hosts)")
+    @argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: the pool's ranks per host)",
+    )
+    @argument("--from-snapshot", default=None, metavar="ID", help="load this snapshot instead")
+    @argument(
+        "--from-checkpoint",
+        default=None,
+        metavar="DIR",
+        help="load this persisted snapshot folder instead",
+    )
+    @argument("--train", type=int, nargs="+", default=[], metavar="CELL", help="training cells")
+    @argument("--dry-run", action="store_true", help="print the plan only")
+    def _fsdp_export(self, rest: str) -> None:
+        """%fsdp export"""
+        args = self._parse(self._fsdp_export, rest, "export")
+        pool = self._require_pool()
+        if args.from_snapshot and args.from_checkpoint:
+            raise UsageError(
+                "%fsdp export: type either --from-snapshot ID or --from-checkpoint DIR, not both"
+            )
+        for option, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+            if value is not None and value < 1:
+                raise UsageError(f"{option} {value}: type a number >= 1")
+        try:
+            plan = pool.export(
+                args.path,
+                sbatch=args.sbatch,
+                nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                from_snapshot=args.from_snapshot,
+                from_checkpoint=args.from_checkpoint,
+                train=args.train,
+                dry_run=args.dry_run,
+            )
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"%fsdp export: {error}") from None
+        except pool_failures() as error:
+            refused = getattr(error, "plan", None)
+            if refused is not None:
+                print("\n".join(refused.lines()))
+            raise shown_as_message(error) from None
+        print("\n".join(plan.lines()))
+
     def _script_call(self, ranks: list[int], call: Any, hint_options: list[str] = ()) -> None:
         """Run a script call with the cell's output sink; show its outputs, then its status
         (also when it failed, with what the script kept)."""
@@ -133,3 +183,15 @@ class ScriptMagics:
         sink.flush()
         show_outputs(outputs_of(sink, None, ranks), None, streamed=stream)
         print("\n".join(status.lines(notebook=True)))
+
+
+def mark_cell(pool: Any, *, local: bool, export: str | None) -> None:
+    """Tell the journal what a ``%%fsdp`` cell that just ran was beyond its code:
+    ``--local`` (it also runs in the kernel) and ``--export train``."""
+    entry = pool.journal.entries[-1] if pool.journal.entries else None
+    if entry is None:
+        return
+    if local:
+        pool.journal.mark(entry, "local")
+    if export:
+        pool.journal.mark(entry, export)

@@ -30,7 +30,7 @@ from fsdp_interactive.notebook._magic_io import (
     usage_line,
 )
 from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
-from fsdp_interactive.notebook._script_magics import ScriptMagics
+from fsdp_interactive.notebook._script_magics import ScriptMagics, mark_cell
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
@@ -50,6 +50,7 @@ _SUBCOMMANDS = (
     "recover",
     "run",
     "continue",
+    "export",
 )
 
 _magics: FsdpMagics | None = None
@@ -432,6 +433,12 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         action="store_true",
         help="%%fsdp recover never runs this cell again",
     )
+    @argument(
+        "--export",
+        choices=("train",),
+        default=None,
+        help="train: %%fsdp export runs this cell as a training cell (after a restored state)",
+    )
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.
@@ -490,6 +497,7 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         show_outputs(outputs_of(sink, result, ranks), args.group_outputs, streamed=stream)
         if args.out:
             self.shell.user_ns[args.out] = result
+        mark_cell(pool, local=args.local, export=args.export)
         if args.local:
             self.shell.ex(self.shell.transform_cell(cell))
 
@@ -500,7 +508,7 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
             raise UsageError(
                 f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] [--native] "
                 "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME] "
-                "[--replay|--no-replay]"
+                "[--replay|--no-replay] [--export train]"
             ) from None
 
     # ------------------------------------------------------------------ %fsdp_auto

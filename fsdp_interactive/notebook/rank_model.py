@@ -113,10 +113,12 @@ class RankModel:
         )[0]
 
     def edit(self, fqn: str, expression: str, bins: int = 40) -> TensorStats:
-        return self._probe(
+        stats = self._probe(
             f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
             f"bins={int(bins)})"
         )[0]
+        self.pool.journal.note_outside(f"{self.model}: {fqn} edited to {expression}")
+        return stats
 
     def clean_name(self, name: str) -> str | None:
         """The clean FQN of the parameter or module called ``name`` (clean, or wrapped as the

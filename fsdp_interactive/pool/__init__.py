@@ -11,6 +11,7 @@ method when it has one, each :class:`RankDisplay` they publish. Rank-side start-
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
+from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
 from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
@@ -36,6 +37,8 @@ from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_
 __all__ = [
     "CollectiveTrace",
     "DebuggerOutput",
+    "ExportPlan",
+    "ExportRefused",
     "InterruptReport",
     "Pool",
     "PoolBusy",

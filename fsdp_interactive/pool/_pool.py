@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_interactive.pool import _cell_imports, _script_calls, _stray_comms
+from fsdp_interactive.pool import _cell_imports, _export, _script_calls, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
@@ -569,6 +569,39 @@ class Pool(FaultCalls, DebuggingCalls):
             shown=journal_text,
         )
 
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sbatch: bool = False,
+        nodes: int | None = None,
+        gpus_per_node: int | None = None,
+        from_snapshot: str | None = None,
+        from_checkpoint: str | os.PathLike[str] | None = None,
+        train: Sequence[int] = (),
+        dry_run: bool = False,
+    ) -> _export.ExportPlan:
+        """Write the calls that built the ranks' state as a standalone torchrun script at
+        ``path`` (with its values file beside it, and with ``sbatch`` an sbatch file) that,
+        run on this pool's world size, builds the same parameters and optimizer state bit
+        for bit; return the :class:`ExportPlan` (``dry_run``: only the plan).
+        ``from_snapshot`` / ``from_checkpoint``: the script loads that state instead of
+        training up to it, then runs the training cells (``train``: their cell numbers;
+        default: the calls after the snapshot). ``nodes``, ``gpus_per_node``: the job's
+        layout (default: the pool's). What cannot be carried is listed with its reason and
+        nothing is written (:class:`ExportRefused`). See :mod:`._export`."""
+        return _export.export(
+            self,
+            path,
+            sbatch=sbatch,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            from_snapshot=from_snapshot,
+            from_checkpoint=from_checkpoint,
+            train=train,
+            dry_run=dry_run,
+        )
+
     def script_status(self) -> _script_calls.ScriptStatus | None:
         """Where the current (or last) script run stands on the ranks; ``None``: none ran."""
         return _script_calls.script_status(self)
@@ -620,6 +653,7 @@ class Pool(FaultCalls, DebuggingCalls):
         handles = {r: view.push(dict(mapping), block=False) for r, view in views.items()}
         with self._faults.outcome(None):
             self._pending(handles).wait()
+        self.journal.note_push(mapping, None if targets in (None, "all") else list(views))
 
     def pull(self, name: str, targets: Targets = None) -> list[Any]:
         """The value of ``name`` in each targeted rank's namespace, in rank order, with every

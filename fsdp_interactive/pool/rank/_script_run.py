@@ -85,7 +85,12 @@ class ScriptRun:
     sends (``path``, ``source``, ``args``, ``cwd``, ``stop_at``, ``agree``, ``place``)."""
 
     def __init__(
-        self, spec: Mapping[str, Any], place: Place, namespace: MutableMapping[str, Any]
+        self,
+        spec: Mapping[str, Any],
+        place: Place,
+        namespace: MutableMapping[str, Any],
+        *,
+        set_environment: bool = True,
     ) -> None:
         self.path = str(spec["path"])
         self.namespace = namespace
@@ -94,7 +99,13 @@ class ScriptRun:
         self.stop_at: int | None = _steps(spec.get("stop_at"))
         self.agree = bool(spec.get("agree", True))
         self.code = compile_script(self.source, self.path)
-        self.world = ScriptWorld(self.path, list(spec.get("args") or []), str(spec["cwd"]), place)
+        self.world = ScriptWorld(
+            self.path,
+            list(spec.get("args") or []),
+            str(spec["cwd"]),
+            place,
+            set_environment=set_environment,
+        )
         self.kept = KeptCalls(self.code)
         self.module = types.ModuleType("__main__")
         self.module.__dict__.update(
@@ -329,9 +340,19 @@ _RUN: ScriptRun | None = None
 _BOUND_BY_RUNS: dict[str, int] = {}
 
 
-def start(namespace: MutableMapping[str, Any], spec: Mapping[str, Any]) -> None:
+def start(
+    namespace: MutableMapping[str, Any],
+    spec: Mapping[str, Any],
+    *,
+    place: Place | None = None,
+    set_environment: bool = True,
+) -> None:
     """``%fsdp run``: start the script of ``spec`` on this rank and wait for its first
-    pause or its end (module docstring). Refused while another run is paused here."""
+    pause or its end (module docstring). Refused while another run is paused here.
+
+    ``place``: where this rank stands (default: the pool's rank, from the group it joined);
+    ``set_environment``: set torchrun's variables (an exported job runs under torchrun and
+    has them already)."""
     __tracebackhide__ = True
     global _RUN
     if _RUN is not None and _RUN.state == PAUSED:
@@ -339,7 +360,7 @@ def start(namespace: MutableMapping[str, Any], spec: Mapping[str, Any]) -> None:
             f"{_RUN.name} is paused after step {_RUN.steps} on this rank; continue or stop "
             "it before running another script"
         )
-    run = ScriptRun(spec, _place(spec), namespace)
+    run = ScriptRun(spec, place or _place(spec), namespace, set_environment=set_environment)
     _RUN = run
     run.begin()
 
@@ -357,6 +378,11 @@ def resume(namespace: MutableMapping[str, Any], spec: Mapping[str, Any]) -> None
         )
     run.namespace = namespace
     run.go_on(stop_at, bool(spec.get("stop")))
+
+
+def current() -> ScriptRun | None:
+    """The current or last run on this rank."""
+    return _RUN
 
 
 def status() -> dict[str, Any] | None:

@@ -111,7 +111,8 @@ class ScriptWorld:
 
     ``path``: the script (absolute), ``args``: its arguments, ``cwd``: its working
     directory, ``place``: where this rank stands. ``say(text)`` shows a notice (the rank's
-    stderr, which the notebook shows).
+    stderr, which the notebook shows). ``set_environment``: set torchrun's variables (not
+    under torchrun itself, which set them: an exported job).
     """
 
     def __init__(
@@ -121,7 +122,10 @@ class ScriptWorld:
         cwd: str,
         place: Place,
         say: Callable[[str], None] | None = None,
+        *,
+        set_environment: bool = True,
     ) -> None:
+        self.set_environment = set_environment
         self.path = path
         self.args = list(args)
         self.cwd = cwd
@@ -148,7 +152,7 @@ class ScriptWorld:
 
         saved = _Saved(argv=list(sys.argv), path=list(sys.path), cwd=os.getcwd())
         env = torchrun_environment(self.place, os.environ)
-        for key, value in env.items():
+        for key, value in env.items() if self.set_environment else ():
             saved.env[key] = os.environ.get(key)
             os.environ[key] = value
         threads = env.get("OMP_NUM_THREADS")
