@@ -73,3 +73,29 @@ def differences(a: Path | str, b: Path | str, world_size: int) -> list[str]:
                 if x[name].dtype != y[name].dtype or not torch.equal(x[name], y[name])
             ]
     return found
+
+
+def run_exported(
+    script: Path | str,
+    nproc: int,
+    out: Path | str,
+    model: str = "model",
+    optimizer: str = "optimizer",
+) -> str:
+    """Run the exported ``script`` under torchrun; each rank then saves what it holds under
+    ``model`` and ``optimizer`` to ``out``. Its output."""
+    return torchrun(SCRIPTS / "run_exported.py", nproc, str(script), str(out), model, optimizer)
+
+
+def save_pool_state(
+    pool, out: Path | str, model: str = "model", optimizer: str = "optimizer"
+) -> None:
+    """Each of ``pool``'s ranks saves what it holds under ``model`` and ``optimizer`` to
+    ``out``, as ``save_state.py`` does (a call the journal does not keep)."""
+    code = (
+        "import runpy as _runpy\n"
+        f"_runpy.run_path({str(SCRIPTS / 'save_state.py')!r})['save_state']"
+        f"({str(out)!r}, rank, {model}, {optimizer})\n"
+        "del _runpy\n"
+    )
+    pool.run(code, stream=False, journal=False)

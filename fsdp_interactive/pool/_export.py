@@ -270,8 +270,8 @@ def _parts(
         ]
     else:
         build = list(lineage)
-    ok_now = [e for e in journal.entries if e.epoch == epoch.number and e.outcome == "ok"]
-    known = {e.cell: e for e in [*lineage, *ok_now] if e.cell is not None}
+    succeeded = [e for e in journal.entries if e.outcome == "ok"]
+    known = {e.cell: e for e in [*succeeded, *lineage] if e.cell is not None}
     for number in cells:
         if number not in known:
             parts.refused.append(
@@ -287,9 +287,9 @@ def _parts(
     if cut is None:
         train: list[JournalEntry] = []
     else:
-        marked = [e for e in ok_now if e.id in named or "train" in e.marks]
+        marked = [e for e in succeeded if e.id in named or "train" in e.marks]
         if not marked and from_snapshot is not None:
-            marked = [e for e in ok_now if e.id > cut]
+            marked = _continuation(journal, str(from_snapshot), cut)
         train = [e for e in marked if e not in build]
     parts.build = _with_pushes(build, journal.pushes, _epochs(build, epoch.number), None, cut)
     if train:
@@ -321,6 +321,18 @@ def _parts(
         elif cut is not None:
             parts.skipped.append(f"{entry.label} (not a training cell: not named in --train)")
     return parts
+
+
+def _continuation(journal: Any, snapshot_id: str, call: int) -> list[JournalEntry]:
+    """The calls that continued from the snapshot ``snapshot_id`` taken during entry
+    ``call``: those of the group a recovery began from it, else those after it in its
+    own group."""
+    if journal.epoch.snapshot == snapshot_id:
+        number = journal.epoch.number
+    else:
+        taken_in = journal.entry(call)
+        number = taken_in.epoch if taken_in is not None else journal.epoch.number
+    return [e for e in journal.entries if e.epoch == number and e.outcome == "ok" and e.id > call]
 
 
 def _epochs(entries: Sequence[JournalEntry], current: int) -> set[int]:

@@ -83,3 +83,41 @@ def test_bad_run_input_names_what_to_type(pool_shell, pool, tmp_path: Path):
         pool_shell.run_line_magic("fsdp", f"run --targets 7 {SCRIPT}")
     with pytest.raises(UsageError, match="no script run is paused; start one with %fsdp run"):
         pool_shell.run_line_magic("fsdp", "continue")
+
+
+def test_export_magic_dry_run_writes_and_refusals(pool_shell, pool, capsys, tmp_path: Path):
+    pool_shell.run_line_magic("fsdp", "restart")
+    pool_shell.user_ns["lr"] = 0.25
+    pool_shell.run_line_magic("fsdp", "push lr")
+    pool_shell.run_cell_magic("fsdp", "", "weights = torch.full((3,), lr)")
+    pool_shell.run_cell_magic("fsdp", "--export train", "weights.mul_(2)")
+    capsys.readouterr()
+
+    pool_shell.run_line_magic("fsdp", f"export {tmp_path / 'job.py'} --dry-run")
+    out = capsys.readouterr().out
+    assert "would export" in out and "push lr: values pushed from the kernel: lr" in out
+    assert ": training cell" in out and "run it: " in out and "--nproc-per-node 2" in out
+    assert not (tmp_path / "job.py").exists()
+
+    pool_shell.run_line_magic("fsdp", f"export {tmp_path / 'job.py'} --sbatch --nodes 2")
+    out = capsys.readouterr().out
+    assert "exported" in out and "sbatch " in out
+    assert "the job has 4 ranks, the notebook 2" in out
+    assert "#SBATCH --nodes=2" in (tmp_path / "job.sbatch").read_text()
+
+    pool_shell.run_cell_magic("fsdp", "--local", "also_here = 1")
+    with pytest.raises(Exception) as refused:
+        pool_shell.run_line_magic("fsdp", f"export {tmp_path / 'again.py'}")
+    rendered = "\n".join(refused.value._render_traceback_())
+    assert "ExportRefused" in rendered and "%%fsdp --local" in rendered
+    assert "%fsdp export PATH --dry-run" in rendered
+    assert "CANNOT CARRY" in capsys.readouterr().out
+
+    with pytest.raises(UsageError, match="either --from-snapshot ID or --from-checkpoint DIR"):
+        pool_shell.run_line_magic(
+            "fsdp", f"export x.py --from-snapshot s --from-checkpoint {tmp_path}"
+        )
+    with pytest.raises(UsageError, match="--nodes 0: type a number >= 1"):
+        pool_shell.run_line_magic("fsdp", "export x.py --nodes 0")
+    with pytest.raises(UsageError, match=r"ending in \.py"):
+        pool_shell.run_line_magic("fsdp", "export x.txt")
