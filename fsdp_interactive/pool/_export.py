@@ -9,10 +9,10 @@ generators, which values the notebook pushed and which scripts it ran. An export
   ``local_rank``, ``device``), then every part in the order it ran, at the script's top
   level (:mod:`._export_cells`), each cell starting from the generators its original
   started with where they differ from what the part before left;
-* ``PATH`` with ``.values.pt`` for ``.py``: the pushed values, the generator states and
+* ``PATH`` with ``.values.json`` for ``.py``: the pushed values, the generator states and
   the scripts' sources, a private file (mode 0600) that the script reads only after
-  checking its SHA-256 (written into the script) and only with
-  ``torch.load(weights_only=True)`` (:func:`~.rank._job.load_values`);
+  checking its SHA-256 (written into the script), as JSON: no pickle (a pushed tensor
+  inside is read with ``torch.load(weights_only=True)``; :func:`~.rank._job.load_values`);
 * with ``sbatch``, ``PATH`` with ``.sbatch``: ``srun torchrun`` on the pool's hosts as
   nodes (:mod:`._export_launch`).
 
@@ -172,7 +172,7 @@ def export(
     parts = _parts(pool, from_snapshot, from_checkpoint, cells, script)
     pieces, values, notes = _pieces(pool, parts)
     stem = os.path.splitext(script)[0]
-    values_path = stem + ".values.pt"
+    values_path = stem + ".values.json"
     sbatch_path = stem + ".sbatch" if sbatch else None
     first_host = pool.topology[0].address if pool.topology else None
     if plan_layout.world_size != pool.world_size:
@@ -451,7 +451,7 @@ def _with_generators(
     for rank in ranks:
         start, _ = journal.generators.of(entry.id, rank)
         if start is not None:
-            states[rank] = _job.encode_generators(start)
+            states[rank] = start
     values["generators"][key] = states
     code = f"_export.set_generators(_values, {key!r})\n{piece.code}"
     return Piece(piece.label, code, piece.why, piece.carried)
@@ -469,10 +469,10 @@ def _write(
     threads = pool._call(_job.intra_op_threads, (), {}, stream=False)[0]
     backend = pool.topology[0].backend
     text = _script_text(plan, pieces, backend, int(threads), digest)
-    _replace_private(plan.script, text.encode("utf-8"))
+    _job.replace_private_file(plan.script, text.encode("utf-8"))
     if plan.sbatch is not None:
         name = os.path.splitext(os.path.basename(plan.script))[0]
-        _replace_private(plan.sbatch, sbatch_text(plan.script, plan.layout, name).encode())
+        _job.replace_private_file(plan.sbatch, sbatch_text(plan.script, plan.layout, name).encode())
 
 
 def _persist(pool: Pool, snapshot_id: str, folder: str) -> None:
@@ -491,13 +491,6 @@ def _persist(pool: Pool, snapshot_id: str, folder: str) -> None:
             f"{folder} holds another snapshot ({held}); remove it or export to another path"
         )
     pool._call(persist_snapshot, (snapshot_id, folder), {}, stream=False)
-
-
-def _replace_private(path: str, data: bytes) -> None:
-    folder, name = os.path.split(path)
-    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-    _private_files.write_new_file(temporary, data)
-    os.replace(temporary, path)
 
 
 def _script_text(

@@ -130,8 +130,8 @@ def carry_push(push: Push, label: str, names: Names, key: str) -> tuple[Piece, d
 
 
 def unsafe(value: Any, depth: int = 0) -> str | None:
-    """Why ``value`` cannot go in the values file (``None``: it can); what
-    ``torch.load(weights_only=True)`` reads back."""
+    """Why ``value`` cannot go in the values file (``None``: it can), which holds plain
+    data and plain tensors only (:func:`~.rank._job.encode`)."""
     if depth > 20:
         return "nested too deep"
     if value is None or isinstance(value, bool | int | float | complex | str | bytes):

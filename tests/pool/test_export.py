@@ -80,7 +80,7 @@ def test_quickstart_like_session_exports_and_reproduces_bit_for_bit(pool: Pool, 
 
     plan = pool.export(tmp_path / "job.py", sbatch=True)
     assert plan.written and plan.command.endswith(f"--nproc-per-node 2 {tmp_path / 'job.py'}")
-    for written in (tmp_path / "job.py", tmp_path / "job.values.pt", tmp_path / "job.sbatch"):
+    for written in (tmp_path / "job.py", tmp_path / "job.values.json", tmp_path / "job.sbatch"):
         assert stat.S_IMODE(written.stat().st_mode) == 0o600
     text = (tmp_path / "job.py").read_text()
     assert "if rank in (0,):\n    extra = torch.rand(3)" in text
@@ -94,7 +94,7 @@ def test_values_file_is_checked_before_it_is_read(pool: Pool, tmp_path: Path):
     pool.push({"lr": 1e-3})
     cell(pool, 1, "weights = torch.full((2,), lr)")
     pool.export(tmp_path / "small.py")
-    values = tmp_path / "small.values.pt"
+    values = tmp_path / "small.values.json"
     data = bytearray(values.read_bytes())
     data[-1] ^= 1  # another file under the same name
     values.write_bytes(bytes(data))
@@ -172,7 +172,7 @@ def test_what_cannot_be_carried_is_refused_by_cell_with_its_reason(pool: Pool, t
     assert "model: weight edited to x * 0" in reasons["a change after In[5]"]
     assert "no cell In[99]" in reasons["--train 99"]
     assert "%fsdp export PATH --dry-run" in refused.value.notebook_message()
-    assert not target.exists() and not (tmp_path / "refused.values.pt").exists()
+    assert not target.exists() and not (tmp_path / "refused.values.json").exists()
     plan = pool.export(target, dry_run=True, train=[99])  # the same list, as a plan
     assert {p.label for p in plan.refused} == set(reasons)
 

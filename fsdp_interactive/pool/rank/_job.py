@@ -9,8 +9,8 @@ import job``.
 * :func:`load_values`: the file written beside the script with the values the notebook
   pushed, the random generators every cell started with, and the source of the scripts
   it ran; refused unless it is a regular file of this user that nobody else can write and
-  its SHA-256 is the one the script was written with, then read with
-  ``torch.load(weights_only=True)`` (tensors and plain containers only: no code runs).
+  its SHA-256 is the one the script was written with, then read as JSON (no pickle: a
+  tensor inside is read with ``torch.load(weights_only=True)``; no code runs).
 * :func:`set_generators`: this rank's generators as a cell started with them.
 * :func:`run_script` / :func:`continue_script`: a torchrun script the notebook ran with
   ``%fsdp run`` (paused at a step, cells run, continued), run the same way here: on a
@@ -18,13 +18,17 @@ import job``.
   the exported script's namespace (:mod:`._script_run`). :func:`end` ends a run still
   paused when the script ends, and the group.
 
-The values file's format (:func:`encode_values`, :func:`write_values`) is written by the
-kernel and read here. Free of IPython; standard library and torch only.
+The values file's format (:func:`encode`, :func:`write_values`) is written by the kernel
+(which needs torch only when it pushed tensors) and read here. Free of IPython; standard
+library and torch only.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
+import json
 import os
 import stat
 import sys
@@ -33,7 +37,7 @@ from typing import Any
 
 from fsdp_interactive import _private_files
 
-FORMAT = "fsdp-interactive-export-values-1"
+FORMAT = "fsdp-interactive-export-values-2"
 
 
 class ExportedJobError(RuntimeError):
@@ -99,65 +103,77 @@ def restore(script: str, folder: str, namespace: MutableMapping[str, Any]) -> An
 # ---------------------------------------------------------------------------- values file
 
 
-def encode_generators(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A generator state as :mod:`._cell_watch` captures it (bytes inside), in the values
-    file's types: tensors and plain containers, as ``weights_only`` loading admits."""
+def encode(value: Any) -> Any:
+    """``value`` as JSON data that :func:`decode` gives back exactly: numbers, strings,
+    ``None`` and lists as they are; bytes, tuples, dicts (any key type), complex numbers
+    and tensors tagged (a tensor as the bytes of ``torch.save`` of a CPU copy, read back
+    with ``weights_only``). ``TypeError`` for anything else."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [encode(item) for item in value]
+    if isinstance(value, tuple):
+        return {"tuple": [encode(item) for item in value]}
+    if isinstance(value, dict):
+        return {"dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    if isinstance(value, bytes | bytearray):
+        return {"bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, complex):
+        return {"complex": [value.real, value.imag]}
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        buffer = io.BytesIO()
+        torch.save(value.detach().cpu().clone(), buffer)
+        return {"tensor": base64.b64encode(buffer.getvalue()).decode("ascii")}
+    raise TypeError(f"a {type(value).__qualname__} cannot be written to an export's values file")
+
+
+_TAGS = ("tuple", "dict", "bytes", "complex", "tensor")
+
+
+def decode(data: Any) -> Any:
+    """The value :func:`encode` wrote."""
+    if isinstance(data, list):
+        return [decode(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) != 1 or next(iter(data)) not in _TAGS:
+        raise ExportedJobError(f"not a value of an export's values file: {sorted(data)}")
+    ((tag, content),) = data.items()
+    if tag == "tuple":
+        return tuple(decode(item) for item in content)
+    if tag == "dict":
+        return {decode(k): decode(v) for k, v in content}
+    if tag == "bytes":
+        return base64.b64decode(content)
+    if tag == "complex":
+        return complex(*content)
     import torch
 
-    encoded: dict[str, Any] = {}
-    for key in ("torch", "cuda"):
-        if key in state:
-            encoded[key] = torch.frombuffer(bytearray(state[key]), dtype=torch.uint8).clone()
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        encoded["python"] = (int(version), tuple(int(v) for v in internal), gauss)
-    if "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        words = torch.frombuffer(bytearray(keys), dtype=torch.int32).clone()
-        encoded["numpy"] = (str(name), words, int(pos), int(has_gauss), float(cached))
-    return encoded
-
-
-def decode_generators(encoded: Mapping[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`encode_generators` (what ``_cell_watch.apply_generators`` takes)."""
-    state: dict[str, Any] = {}
-    for key in ("torch", "cuda"):
-        if key in encoded:
-            state[key] = bytes(encoded[key].tolist())
-    if "python" in encoded:
-        version, internal, gauss = encoded["python"]
-        state["python"] = (version, tuple(internal), gauss)
-    if "numpy" in encoded:
-        name, words, pos, has_gauss, cached = encoded["numpy"]
-        state["numpy"] = (name, words.numpy().tobytes(), pos, has_gauss, cached)
-    return state
+    return torch.load(io.BytesIO(base64.b64decode(content)), weights_only=True)
 
 
 def write_values(path: str, values: Mapping[str, Any]) -> str:
-    """Write ``values`` (the export's pushes, generators and scripts, in the file's types)
-    to ``path`` as a private file (mode 0600, made anew: an existing file is replaced by
+    """Write ``values`` (the export's pushes, generators and scripts) to ``path`` as JSON
+    (:func:`encode`), a private file (mode 0600, made anew: an existing file is replaced by
     rename, never written through); its SHA-256."""
-    import io
+    data = json.dumps({"format": FORMAT, "values": encode(dict(values))}).encode("utf-8")
+    replace_private_file(path, data)
+    return hashlib.sha256(data).hexdigest()
 
-    import torch
 
-    buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **values}, buffer)
-    data = buffer.getvalue()
+def replace_private_file(path: str, data: bytes) -> None:
+    """``data`` as the file ``path``, private to this user (mode 0600): written to a new
+    file beside it (never through an existing name or link), then renamed over it."""
     folder, name = os.path.split(os.path.abspath(path))
     temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     _private_files.write_new_file(temporary, data)
     os.replace(temporary, path)
-    return hashlib.sha256(data).hexdigest()
 
 
 def load_values(script: str, name: str, sha256: str) -> dict[str, Any]:
     """The values file ``name`` beside ``script`` (the exported script's ``__file__``),
     checked (module docstring) and read without running any code."""
-    import io
-
-    import torch
-
     path = os.path.join(os.path.dirname(os.path.abspath(script)), name)
     try:
         fd = _private_files.open_regular(path)
@@ -182,10 +198,10 @@ def load_values(script: str, name: str, sha256: str) -> dict[str, Any]:
             f"{path} is not the values file this script was exported with (SHA-256 {found}, "
             f"expected {sha256}); export the session again"
         )
-    values = torch.load(io.BytesIO(data), weights_only=True)
-    if not isinstance(values, dict) or values.get("format") != FORMAT:
+    content = json.loads(data.decode("utf-8"))
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ExportedJobError(f"{path} is not an fsdp_interactive export values file")
-    return values
+    return decode(content["values"])
 
 
 def set_generators(values: Mapping[str, Any], entry: str) -> None:
@@ -196,9 +212,9 @@ def set_generators(values: Mapping[str, Any], entry: str) -> None:
     from fsdp_interactive.pool.rank._cell_watch import apply_generators
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    encoded = (values.get("generators") or {}).get(entry, {}).get(rank)
-    if encoded is not None:
-        apply_generators(decode_generators(encoded))
+    state = (values.get("generators") or {}).get(entry, {}).get(rank)
+    if state is not None:
+        apply_generators(state)
 
 
 # ---------------------------------------------------------------------------- script runs
