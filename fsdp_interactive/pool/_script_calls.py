@@ -12,8 +12,11 @@ names it built are bound on the ranks. The kernel then asks the ranks for their
 While the script runs, the first Ctrl-C asks the ranks to pause after their next
 optimizer step (the call goes on until they do); the second interrupts them as any call.
 
-Each call's journal entry gets a :class:`~._script_record.ScriptRecord`, and its source is
-rewritten to the call that reproduces what happened (a recovery replays it).
+The script's source and its place are sent to the ranks ahead of the journaled call (one
+round trip, not journaled), so that the call itself is one short line in tracebacks and
+stacks. Each call's journal entry gets a :class:`~._script_record.ScriptRecord`, and its
+source is rewritten to the call that reproduces what happened, with everything in it (a
+recovery replays it on fresh ranks).
 
 Faults: a rank that dies during a run fails the call with ``RankDied`` as a cell's would
 (the entry is never replayed); one that dies while the script is paused is found by the
@@ -33,7 +36,12 @@ from typing import Any
 
 from fsdp_interactive.pool._dispatch import Targets, resolve_targets
 from fsdp_interactive.pool._output import OutputSink
-from fsdp_interactive.pool._script_record import ScriptRecord, call_code, replay_code
+from fsdp_interactive.pool._script_record import (
+    ScriptRecord,
+    call_code,
+    received_call,
+    replay_code,
+)
 from fsdp_interactive.pool.errors import Advised, PoolError, Step
 from fsdp_interactive.pool.rank import _script_run
 
@@ -187,7 +195,9 @@ def run_script(
         world_size=pool.world_size,
         spec=spec,
     )
-    code = call_code("start", spec)
+    key = spec["place"]["run_id"]
+    pool._call(_script_run.receive, (key, spec), {}, targets=targets, stream=False)
+    code = received_call(key)
     text = shown or f"pool.run_script({script!r}, {list(arguments)!r}, stop_at={stop_at!r})"
     return _journaled_call(pool, code, record, targets, timeout, stream, on_output, cell, text)
 

@@ -60,6 +60,11 @@ def call_code(function: str, spec: Mapping[str, Any]) -> str:
     return f"__import__({RUN_MODULE!r}, fromlist=['start']).{function}(globals(), {dict(spec)!r})\n"
 
 
+def received_call(key: str) -> str:
+    """The code that starts the run whose spec the ranks were sent under ``key``."""
+    return f"__import__({RUN_MODULE!r}, fromlist=['start']).start_received(globals(), {key!r})\n"
+
+
 def replay_code(record: ScriptRecord) -> str:
     """The call that does again what the recorded one did (module docstring)."""
     spec = dict(record.spec)

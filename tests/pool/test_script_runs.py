@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.pool import Pool, RankError, RankInterrupted, ScriptRunError
+from fsdp_interactive.pool import Pool, RankError, RankInterrupted, RankTimeout, ScriptRunError
 from tests.pool.conftest import record
 from tests.torchrun_reference import SCRIPTS, differences, torchrun
 
@@ -329,3 +329,34 @@ def test_fsdp1_script_on_four_ranks_equals_torchrun(profile_dir: str, tmp_path: 
         four.stop()
         record(four)
     assert differences(tmp_path / "torchrun", tmp_path / "pool", 4) == []
+
+
+@pytest.mark.timing
+def test_a_hanging_script_is_reported_with_its_own_frames(pool: Pool, tmp_path: Path):
+    go = tmp_path / "go"
+    script = write(
+        tmp_path,
+        "waits.py",
+        f"""
+        import os, time
+        import torch.distributed as dist
+
+        def main():
+            if dist.get_rank() == 1:
+                while not os.path.exists({str(go)!r}):
+                    time.sleep(0.05)
+            dist.barrier()
+
+        main()
+        """,
+    )
+    try:
+        with pytest.raises(RankTimeout) as hung:
+            pool.run_script(script, timeout=2)
+    finally:
+        go.touch()
+    text = str(hung.value)
+    assert "rank 0: in barrier" in text and "waits.py" in text
+    assert "rank 1 never issued #" in text  # the collectives, compared
+    hung.value.wait()
+    assert pool.script_status().state == "ended"

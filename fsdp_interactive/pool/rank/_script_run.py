@@ -154,8 +154,9 @@ class ScriptRun:
         self._hook = register_optimizer_step_post_hook(self._after_step)
         self._thread = threading.Thread(target=self._main, name=f"script {self.name}", daemon=True)
         self.state = RUNNING
-        self._running()
+        self._enter_main_module()
         self._thread.start()
+        self._point_agent_at(self._thread.ident)
         self._wait()
 
     def go_on(self, stop_at: int | None, stop: bool) -> None:
@@ -166,26 +167,30 @@ class ScriptRun:
         self._stop_asked = stop
         self._changed.clear()
         self.state = RUNNING
-        self._running()
+        self._enter_main_module()
+        self._point_agent_at(self._thread.ident if self._thread is not None else None)
         self._resume.set()
         self._wait()
 
-    def _running(self) -> None:
-        """While the script's thread runs: it is ``__main__`` and the rank's user thread
-        (the stacks and hang reports show it)."""
+    def _enter_main_module(self) -> None:
+        """While the script's thread runs, the script is ``__main__`` (what pickles its
+        classes by reference finds them there)."""
         self._main_module = sys.modules.get("__main__")
         sys.modules["__main__"] = self.module
+
+    @staticmethod
+    def _point_agent_at(ident: int | None) -> None:
+        """The rank's user thread, whose stack hang reports and ``stacks()`` show first:
+        the script's while it runs, the engine's main thread otherwise."""
         agent = _agent.current()
-        if agent is not None and self._thread is not None:
-            agent.user_thread = self._thread.ident or agent.user_thread
+        if agent is not None and ident is not None:
+            agent.user_thread = ident
 
     def _settled(self) -> None:
         if self._main_module is not None:
             sys.modules["__main__"] = self._main_module
             self._main_module = None
-        agent = _agent.current()
-        if agent is not None:
-            agent.user_thread = threading.get_ident()
+        self._point_agent_at(threading.get_ident())
 
     def _wait(self) -> None:
         __tracebackhide__ = True
@@ -363,6 +368,26 @@ def start(
     run = ScriptRun(spec, place or _place(spec), namespace, set_environment=set_environment)
     _RUN = run
     run.begin()
+
+
+#: Specs sent ahead of the call that starts their run (:func:`receive`), by key.
+_RECEIVED: dict[str, dict[str, Any]] = {}
+
+
+def receive(key: str, spec: Mapping[str, Any]) -> None:
+    """Keep ``spec`` (the script's source and where it runs) for :func:`start_received`: the
+    call that starts a run then stays one short line in tracebacks and stacks."""
+    _RECEIVED.clear()
+    _RECEIVED[key] = dict(spec)
+
+
+def start_received(namespace: MutableMapping[str, Any], key: str) -> None:
+    """:func:`start` with the spec :func:`receive` kept under ``key``."""
+    __tracebackhide__ = True
+    spec = _RECEIVED.pop(key, None)
+    if spec is None:
+        raise RuntimeError(f"no script run {key!r} was sent to this rank")
+    start(namespace, spec)
 
 
 def resume(namespace: MutableMapping[str, Any], spec: Mapping[str, Any]) -> None:
