@@ -496,11 +496,9 @@ def _persist(pool: Pool, snapshot_id: str, folder: str) -> None:
 def _script_text(
     plan: ExportPlan, pieces: list[Piece], backend: str, threads: int, digest: str
 ) -> str:
-    from fsdp_interactive import __version__
-
     labels = ", ".join(p.label for p in pieces)
     head = [
-        f'"""A notebook session of fsdp_interactive {__version__}, exported '
+        f'"""A notebook session of fsdp_interactive {_version()}, exported '
         f"{time.strftime('%Y-%m-%d %H:%M')}: {labels}.",
         "",
         f"Run on {plan.world_size} ranks (the notebook's) for its state, bit for bit:",
@@ -529,6 +527,15 @@ def _script_text(
         body.append(piece.code)
         body.append("")
     return "\n".join([*head, *body, "_export.end()", ""])
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("fsdp-interactive")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 # ---------------------------------------------------------------------------- checks
