@@ -162,7 +162,7 @@ def run_script(
     call (the magic line)."""
     script = _script_path(path)
     arguments = _arguments(args)
-    stop_at = _stop_at(stop_at)
+    stop_at = _script_run.checked_stop_at(stop_at)
     folder = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(folder):
         raise ValueError(f"cwd must be an existing folder, got {os.fspath(cwd or '')!r}")
@@ -214,7 +214,7 @@ def continue_script(
     shown: str | None = None,
 ) -> ScriptStatus:
     """``Pool.continue_script`` (see the pool's method)."""
-    stop_at = _stop_at(stop_at)
+    stop_at = _script_run.checked_stop_at(stop_at)
     if not isinstance(stop, bool):
         raise TypeError(f"stop must be True or False, got {stop!r}")
     if stop and stop_at is not None:
@@ -387,11 +387,3 @@ def _arguments(args: Any) -> list[str]:
     if bad:
         raise TypeError(f"args must be strings, got {bad[0]!r} ({type(bad[0]).__name__})")
     return list(args)
-
-
-def _stop_at(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"stop_at must be a step number >= 1 or None, got {value!r}")
-    return value

@@ -96,7 +96,7 @@ class ScriptRun:
         self.namespace = namespace
         self.name = os.path.basename(self.path)
         self.source = str(spec["source"])
-        self.stop_at: int | None = _steps(spec.get("stop_at"))
+        self.stop_at: int | None = checked_stop_at(spec.get("stop_at"))
         self.agree = bool(spec.get("agree", True))
         self.code = compile_script(self.source, self.path)
         self.world = ScriptWorld(
@@ -396,7 +396,7 @@ def resume(namespace: MutableMapping[str, Any], spec: Mapping[str, Any]) -> None
     run = _RUN
     if run is None or run.state != PAUSED:
         raise RuntimeError("no script run is paused on this rank")
-    stop_at = _steps(spec.get("stop_at"))
+    stop_at = checked_stop_at(spec.get("stop_at"))
     if stop_at is not None and stop_at <= run.steps:
         raise ValueError(
             f"stop_at={stop_at}: {run.name} has already taken {run.steps} steps; give a later step"
@@ -438,7 +438,8 @@ def _place(spec: Mapping[str, Any]) -> Place:
     )
 
 
-def _steps(value: Any) -> int | None:
+def checked_stop_at(value: Any) -> int | None:
+    """``value`` as a step to pause after (``None``: none); ``ValueError`` otherwise."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
