@@ -48,7 +48,11 @@ class ScriptMagics:
     @argument("script", help="the torchrun script")
     @argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     def _fsdp_run(self, rest: str) -> None:
-        """%fsdp run"""
+        """Run a torchrun script on the ranks as it is (its options go before SCRIPT, its own
+        arguments after): torchrun's environment, its init_process_group adopting the pool's
+        group; what it built (its globals and its frames' locals) stays on the ranks.
+        --stop-at N pauses every rank after its N-th optimizer step; the first interrupt
+        pauses it at the next step, the second stops it."""
         args = self._parse(self._fsdp_run, rest, "run")
         pool = self._require_pool()
         if args.stop_at is not None and args.stop_at < 1:
@@ -81,7 +85,8 @@ class ScriptMagics:
     @argument("--stop", action="store_true", help="end the run at its pause")
     @argument("--timeout", type=float, default=None, help="seconds before the hang report")
     def _fsdp_continue(self, rest: str) -> None:
-        """%fsdp continue"""
+        """Resume the paused script run, to its end or to the pause after step M (counted
+        from the run's start); --stop ends it at its pause."""
         args = self._parse(self._fsdp_continue, rest, "continue")
         pool = self._require_pool()
         if args.stop and args.stop_at is not None:
@@ -131,7 +136,10 @@ class ScriptMagics:
     @argument("--train", type=int, nargs="+", default=[], metavar="CELL", help="training cells")
     @argument("--dry-run", action="store_true", help="print the plan only")
     def _fsdp_export(self, rest: str) -> None:
-        """%fsdp export"""
+        """Write the calls that built the ranks' state, in the order they ran, as a torchrun
+        script (and with --sbatch an sbatch file) that holds the same parameters and
+        optimizer state bit for bit at the pool's world size; what cannot be carried is listed
+        by cell with its reason, and nothing is written."""
         args = self._parse(self._fsdp_export, rest, "export")
         pool = self._require_pool()
         if args.from_snapshot and args.from_checkpoint:

@@ -106,9 +106,12 @@ class ExportPlan:
 
     @property
     def refused(self) -> tuple[Piece, ...]:
+        """The parts that cannot be carried, each with its reason."""
         return tuple(piece for piece in self.pieces if not piece.carried)
 
     def lines(self) -> list[str]:
+        """The plan as the magic prints it: every part with what it is (or why it cannot be
+        carried), what is not exported, the files, how to run them, notes."""
         verb = "exported" if self.written else "would export"
         source = f"from {self.restore}" if self.restore else "the notebook's current state"
         lines = [f"{verb} {self.script} ({source}; {self.world_size} ranks in the notebook)"]
