@@ -9,12 +9,14 @@ and nothing written."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_interactive.notebook._snapshot_calls import take_snapshot
 from fsdp_interactive.notebook.rank_model import RankModel
@@ -90,20 +92,28 @@ def test_quickstart_like_session_exports_and_reproduces_bit_for_bit(pool: Pool, 
 
 
 def test_values_file_is_checked_before_it_is_read(pool: Pool, tmp_path: Path):
+    from fsdp_interactive import job
+
     pool.restart()
-    pool.push({"lr": 1e-3})
+    pool.push({"lr": 1e-3, "table": {1: (b"\x00", None, 2.5)}, "ids": torch.arange(3)})
     cell(pool, 1, "weights = torch.full((2,), lr)")
     pool.export(tmp_path / "small.py")
-    values = tmp_path / "small.values.json"
+    script, values = tmp_path / "small.py", tmp_path / "small.values.json"
+    digest = re.search(r"'small.values.json', '([0-9a-f]{64})'", script.read_text()).group(1)
+    pushed = job.load_values(str(script), "small.values.json", digest)["pushes"]["1"]
+    assert pushed["lr"] == 1e-3 and pushed["table"] == {1: (b"\x00", None, 2.5)}
+    assert torch.equal(pushed["ids"], torch.arange(3))
+
     data = bytearray(values.read_bytes())
-    data[-1] ^= 1  # another file under the same name
+    data[-2] ^= 1  # another file under the same name
     values.write_bytes(bytes(data))
-    with pytest.raises(AssertionError, match="is not the values file this script was exported"):
-        run_exported(tmp_path / "small.py", 2, tmp_path / "out", "weights", "weights")
+    with pytest.raises(job.ExportedJobError, match="is not the values file this script was"):
+        job.load_values(str(script), "small.values.json", digest)
     pool.export(tmp_path / "small.py")  # written again: its own file
+    digest = re.search(r"'small.values.json', '([0-9a-f]{64})'", script.read_text()).group(1)
     os.chmod(values, 0o666)
-    with pytest.raises(AssertionError, match="another user could have changed it"):
-        run_exported(tmp_path / "small.py", 2, tmp_path / "out", "weights", "weights")
+    with pytest.raises(job.ExportedJobError, match="another user could have changed it"):
+        job.load_values(str(script), "small.values.json", digest)
 
 
 def test_recovered_session_and_from_snapshot_continuation(pool: Pool, tmp_path: Path):
