@@ -68,6 +68,13 @@ def test_fsdp1_script_paused_inspected_continued_equals_torchrun(pool: Pool, tmp
     }
     torch_norm = values(pool, "model.clip_grad_norm_(float('inf'), norm_type=2.0).item()")
     assert view.grad_norms().total == pytest.approx(torch_norm[0], rel=1e-6)
+    # a checkpoint of the paused model and optimizer
+    pool.run(
+        "import fsdp_interactive.checkpoint as ckpt\n"
+        f"ckpt.save({str(tmp_path / 'paused')!r}, model, optimizer)",
+        stream=False,
+    )
+    assert (tmp_path / "paused" / "manifest.json").is_file()
 
     status = pool.continue_script()
     assert status.state == "ended" and status.steps == 8
@@ -204,6 +211,27 @@ def test_ipython_run_magic_in_a_cell_fails_when_the_script_raises(pool: Pool, tm
         pool.run(f"%run {script}", stream=False)
     quiet = write(tmp_path, "exits.py", "import sys\nsys.exit(0)\n")
     pool.run(f"%run {quiet}", stream=False)  # a clean exit is no failure
+
+
+def test_a_run_on_part_of_the_ranks(pool: Pool, tmp_path: Path):
+    script = write(
+        tmp_path,
+        "one_rank.py",
+        """
+        import os, torch
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        who = os.environ["RANK"]
+        """,
+    )
+    pool.run("who = 'a cell'", stream=False)
+    status = pool.run_script(script, targets=[1], stop_at=2)
+    assert status.paused and status.ranks == (1,) and status.steps == 2
+    assert pool.continue_script().steps == 4  # the paused rank only
+    assert values(pool, "who") == {0: "a cell", 1: "1"}
 
 
 def test_cwd_and_sibling_imports(pool: Pool, tmp_path: Path):
