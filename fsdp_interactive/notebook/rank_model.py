@@ -167,12 +167,14 @@ class RankModel:
     def edit(self, fqn: str, expression: str, bins: int = 40) -> TensorStats:
         """Set the full parameter ``fqn`` to ``expression`` (Python evaluated on every rank, ``p``
         being the full parameter) and return its new statistics; only the units that own it are
-        gathered."""
-        return self._probe(
+        gathered. The journal notes the change (an export cannot do it again)."""
+        stats = self._probe(
             f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
             f"bins={int(bins)})",
             call=f"RankModel.edit({fqn!r}, {expression!r})",
         )[0]
+        self.pool.journal.note_outside(f"{self.model}: {fqn} edited to {expression}")
+        return stats
 
     def clean_name(self, name: str) -> str | None:
         """The clean FQN of the parameter or module called ``name`` (clean, or wrapped as the
