@@ -20,12 +20,10 @@ Nothing here talks to other ranks.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
 import os
-import secrets
 from pathlib import Path
 
 from fsdp_interactive import _private_files
@@ -42,27 +40,13 @@ _LABEL = b"fsdp-interactive snapshot\x00"
 
 def _root_key(root: Path, create: bool) -> bytes | None:
     """The key kept in the private folder ``root`` (made there on first use with
-    ``create``; ``None`` when there is none and not ``create``)."""
+    ``create``: :func:`~fsdp_interactive._private_files.key_file`; ``None`` when there is
+    none and not ``create``)."""
     path = root / KEY_FILE
-    with contextlib.suppress(FileNotFoundError):
-        return _read_key(path)
-    if not create:
+    if not create and not os.path.lexists(path):
         return None
-    # Made under a temporary name, then linked to its name: a rank that reads the key
-    # finds it whole, and of two ranks making one at once, the first link wins.
-    temporary = root / f"{KEY_FILE}.{secrets.token_hex(8)}"
-    _private_files.write_new_file(temporary, secrets.token_hex(32).encode())
     try:
-        with contextlib.suppress(FileExistsError):
-            os.link(temporary, path)
-    finally:
-        temporary.unlink()
-    return _read_key(path)
-
-
-def _read_key(path: Path) -> bytes:
-    try:
-        return bytes.fromhex(_private_files.read_regular(path).decode())
+        return bytes.fromhex(_private_files.key_file(root, KEY_FILE).decode())
     except ValueError:
         raise SnapshotError(
             f"{path}: not a snapshot key (hex digits); remove it (its snapshots cannot be "
