@@ -91,7 +91,13 @@ def test_checkpoints_are_private_whatever_the_umask_unless_mode_says(shared):
         os.umask(old)
     private = _modes(shared / "made" / "below" / "ckpt")
     assert private.pop("ckpt") == 0o700
-    assert set(private) == {".metadata", "__0_0.distcp", "manifest.json", "extra.json", "owner-seal.json"}
+    assert set(private) == {
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.json",
+        "extra.json",
+        "owner-seal.json",
+    }
     assert set(private.values()) == {0o600}
     # the folders the save made above the checkpoint are private too
     assert stat.S_IMODE((shared / "made").stat().st_mode) == 0o700

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import shutil
 import stat
 import threading
@@ -88,9 +89,7 @@ def _try(action: Callable[[], Any]) -> str:
     return "done"
 
 
-def test_a_default_root_another_user_made_first_is_answered_with_a_private_one(
-    monkeypatch, caplog
-):
+def test_a_default_root_another_user_made_first_is_answered_with_a_private_one(monkeypatch, caplog):
     assert _place.default_root() == Path(f"/dev/shm/fsdpi-snapshots-{os.getuid()}")
     with shared_path("fsdpi-snapshots-") as root:
         as_other_user(_make_open_folder, str(root))  # first, with rights of their choosing
@@ -294,3 +293,30 @@ def test_a_snapshot_with_no_authentic_copy_is_refused_naming_the_file(ranks2, tm
     assert kind == "CorruptCheckpointError" and "not written by this pool" in message
     assert file.endswith("manifest.json")
     assert all(r["untouched"] == [] for r in results)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("name", ["manifest.json", "snapshot.json", "seal.json", ".metadata"])
+def test_a_fifo_or_dev_zero_in_place_of_a_snapshot_file_is_refused_without_reading(
+    monkeypatch, name, how
+):
+    with shared_path() as root:
+        monkeypatch.setenv(s.ROOT_ENV, str(root))
+        monkeypatch.setenv(s.KEY_ENV, s.TEST_KEY)
+        record = ck.snapshot(model=_model(), step=1)
+        path = root / record.id / name
+        path.unlink()
+        if how == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to("/dev/zero")
+        peak = _peak_rss_bytes()
+        assert _in_time(ck.list_snapshots) == []  # not listed, and listing does not hang
+        # refused: a description that cannot be read leaves the snapshot on no host
+        with pytest.raises(ck.CheckpointError, match=record.id):
+            _in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
+        assert _peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory
