@@ -90,7 +90,7 @@ class FsdpMagics(RecoveryMagics, Magics):
     def fsdp(self, line: str) -> Any:
         """Manage the rank pool.
 
-        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N]
+        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N] [--insecure-network]
         %fsdp stop | restart | status | interrupt
         %fsdp push NAME [NAME ...]              copy kernel variables to every rank
         %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
@@ -150,6 +150,11 @@ class FsdpMagics(RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @argument(
+        "--insecure-network",
+        action="store_true",
+        help="start even where the pool's channels would cross the network unencrypted",
+    )
     def _fsdp_start(self, rest: str) -> None:
         """%fsdp start"""
         args = self._parse(self._fsdp_start, rest, "start")
@@ -183,6 +188,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                insecure_network=args.insecure_network,
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None
