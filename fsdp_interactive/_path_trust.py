@@ -10,22 +10,17 @@ by this user or the superuser and is either written by nobody else or sticky; an
 when it is owned by this user (or the superuser) and nobody else may write it. Group
 write counts as another user's (the group may have other members).
 
-Standard library only; the checkpoints (save, load) and the pool's private folders use it.
+Standard library only (and :mod:`fsdp_interactive._private_files`' names for users); the
+checkpoints (save, load) and the pool's socket folder use it.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 from pathlib import Path
 
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
+from fsdp_interactive._private_files import user_name
 
 
 def _trusted_owner(uid: int) -> bool:
@@ -37,7 +32,7 @@ def why_folder_open(info: os.stat_result) -> str | None:
     ``info`` ("is owned by uid 65534 (nobody)", "can be written by other users ...");
     ``None`` when nothing does."""
     if not _trusted_owner(info.st_uid):
-        return f"is owned by {_user(info.st_uid)}"
+        return f"is owned by {user_name(info.st_uid)}"
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         return (
             f"can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}) and has "
@@ -50,7 +45,7 @@ def why_file_open(info: os.stat_result) -> str | None:
     """What lets another user change a file (or folder) with the ``lstat`` result
     ``info``; ``None`` when nothing does."""
     if not _trusted_owner(info.st_uid):
-        return f"is owned by {_user(info.st_uid)}"
+        return f"is owned by {user_name(info.st_uid)}"
     if info.st_mode & 0o022:
         return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):04o})"
     return None

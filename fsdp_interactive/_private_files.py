@@ -50,7 +50,8 @@ class NotPrivateError(PermissionError):
         super().__init__(f"{self.path} {reason}")
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """``uid 65534 (nobody)``: the user ``uid`` as messages name it."""
     try:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except KeyError:
@@ -77,7 +78,7 @@ def why_not_private(info: os.stat_result) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return "is not a folder"
     if info.st_uid != os.geteuid():
-        return f"is owned by {_user(info.st_uid)}, not by this user ({_user(os.geteuid())})"
+        return f"is owned by {user_name(info.st_uid)}, not by this user ({user_name(os.geteuid())})"
     if info.st_mode & 0o077:
         return (
             f"has mode {stat.S_IMODE(info.st_mode):04o}: other users can reach it "
@@ -246,7 +247,7 @@ def _read_key(path: str) -> bytes:
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
-            raise NotPrivateError(path, f"is owned by {_user(info.st_uid)}, not by this user")
+            raise NotPrivateError(path, f"is owned by {user_name(info.st_uid)}, not by this user")
         if info.st_mode & 0o077:
             raise NotPrivateError(
                 path, f"has mode {stat.S_IMODE(info.st_mode):04o}: other users may read it"

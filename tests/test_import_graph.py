@@ -47,11 +47,12 @@ LAYERS: dict[str, int] = {
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
     "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
     "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
-    "_path_trust": 0,  # whether another user could change a path: checkpoints, pool folders
     # a snapshot's checksums taken ahead of a restore: engine forker and ranks
     "_prechecked": 1,
     # the user's checkpoint key (sealed disk checkpoints): ranks, and the kernel for a pool
     "_owner_key": 1,
+    # whether another user could change a path: checkpoints, the pool's socket folder
+    "_path_trust": 1,
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from pathlib import Path
 
 from fsdp_interactive import _owner_key
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint import _manifest, _seal_json
 from fsdp_interactive.checkpoint.errors import CheckpointError, UntrustedCheckpointError
 
 SEAL_FILE = "owner-seal.json"
@@ -47,9 +46,8 @@ def seal_text(key: bytes, manifest_json: str, extra_json: str | None) -> str:
     """The content of ``owner-seal.json`` for a checkpoint's manifest and extra texts
     (``None``: it has no ``extra.json``)."""
     texts = dict(zip(SEALED, (manifest_json, extra_json), strict=True))
-    data = {"format": _FORMAT, "algorithm": "hmac-sha256", "key": _owner_key.fingerprint(key)}
-    data.update({name: _mac(key, name, text) for name, text in texts.items()})
-    return json.dumps(data, indent=2, sort_keys=True)
+    macs = {name: _mac(key, name, text) for name, text in texts.items()}
+    return _seal_json.write(_FORMAT, macs, key=_owner_key.fingerprint(key))
 
 
 def write_seal(
@@ -83,11 +81,8 @@ def check(
             file=str(where),
         )
     try:
-        data = json.loads(seal_json)
-        if data.get("format") != _FORMAT or data.get("algorithm") != "hmac-sha256":
-            raise ValueError("not a checkpoint seal")
-        macs = {name: str(data[name]) for name in SEALED}
-    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        macs, data = _seal_json.read(seal_json, _FORMAT, SEALED)
+    except ValueError as exc:
         raise UntrustedCheckpointError(
             f"{where}: invalid seal ({exc}); refusing {folder}; {TRUST_HINT}", file=str(where)
         ) from None

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import stat
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from fsdp_interactive import checkpoint as ck
+from tests.hostile_files import KINDS, in_time, peak_rss_bytes, put_in_place
 from tests.second_user import as_other_user, shared_path
 
 
@@ -221,55 +219,20 @@ def test_a_checkpoint_without_a_seal_or_others_can_write_is_refused_until_truste
 _FILES = (".metadata", "__0_0.distcp", "manifest.json", "extra.json", "owner-seal.json")
 
 
-def _replace(path: Path, how: str) -> None:
-    path.unlink()
-    if how == "fifo":
-        os.mkfifo(path)
-    elif how == "dev-zero":
-        path.symlink_to("/dev/zero")
-    else:  # an enormous (sparse) file: its size alone refuses it
-        with open(path, "wb") as f:
-            f.truncate(1 << 40)
-
-
-def _in_time(fn: Callable[[], Any], seconds: float = 60) -> Any:
-    """``fn()`` on a thread; fails the test when it has not returned in ``seconds`` (a
-    FIFO opened to read waits for a writer for good)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s: it hangs"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@pytest.mark.parametrize("how", ["fifo", "dev-zero", "huge"])
+@pytest.mark.parametrize("how", KINDS)
 @pytest.mark.parametrize("name", _FILES)
 def test_a_hostile_file_in_place_of_any_a_load_opens_is_refused_without_reading(
     tmp_path, name, how
 ):
     ck.save(tmp_path / "ckpt", _model(), step=1)
-    _replace(tmp_path / "ckpt" / name, how)
+    put_in_place(tmp_path / "ckpt" / name, how)
     model = _model(0.5)
     before = _weights(model)
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     # The checks below the seal hold for a trusted checkpoint too (which reads no seal).
     for trusted in (False,) if name == "owner-seal.json" else (False, True):
         with pytest.raises(ck.CorruptCheckpointError) as refused:
-            _in_time(lambda trusted=trusted: ck.load(tmp_path / "ckpt", model, trusted=trusted))
+            in_time(lambda trusted=trusted: ck.load(tmp_path / "ckpt", model, trusted=trusted))
         assert name in str(refused.value)
-    assert _peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory
+    assert peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory
     assert _same(_weights(model), before)

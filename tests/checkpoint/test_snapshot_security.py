@@ -19,10 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import shutil
 import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive.checkpoint._snapshot import _place, _plan, _seal
 from tests.checkpoint import _snapshots as s
 from tests.checkpoint._common import reseal
+from tests.hostile_files import in_time, peak_rss_bytes, put_in_place
 from tests.second_user import as_other_user, shared_path
 
 HOSTS = ["host-a", "host-b"]
@@ -54,26 +53,6 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _in_time(fn: Callable[[], Any], seconds: float = 60) -> Any:
-    """``fn()`` on a thread; fails the test when it has not returned in ``seconds`` (a read
-    of ``/dev/zero`` would never return)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s: it hangs"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 def _make_open_folder(path: str) -> None:
@@ -223,7 +202,7 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
         seal = _seal.seal(bytes.fromhex(s.TEST_KEY), record.id, *texts.values())
         (folder / "seal.json").write_text(seal)
         with pytest.raises(ck.CorruptCheckpointError) as refused:
-            _in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
+            in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
         assert "'../../../../dev/zero' are not plain file names" in str(refused.value)
     # The same for a disk checkpoint, whatever reads it (sealed again with the user's key).
     model = _model()
@@ -231,7 +210,7 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
     _add_traversal(tmp_path / "ckpt")
     reseal(tmp_path / "ckpt")
     with pytest.raises(ck.CorruptCheckpointError, match="are not plain file names"):
-        _in_time(lambda: ck.load(tmp_path / "ckpt", model))
+        in_time(lambda: ck.load(tmp_path / "ckpt", model))
     assert ck.list_checkpoints(tmp_path) == []
     # A data file swapped for a link to /dev/zero is refused as well, not read.
     ck.save(tmp_path / "other", model, step=1)
@@ -239,7 +218,7 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
     data.unlink()
     data.symlink_to("/dev/zero")
     with pytest.raises(ck.CorruptCheckpointError, match="not a regular file"):
-        _in_time(lambda: ck.load(tmp_path / "other", model))
+        in_time(lambda: ck.load(tmp_path / "other", model))
 
 
 def _forge(folder: Path, name: str) -> None:
@@ -295,10 +274,6 @@ def test_a_snapshot_with_no_authentic_copy_is_refused_naming_the_file(ranks2, tm
     assert all(r["untouched"] == [] for r in results)
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 @pytest.mark.parametrize("how", ["fifo", "dev-zero"])
 @pytest.mark.parametrize("name", ["manifest.json", "snapshot.json", "seal.json", ".metadata"])
 def test_a_fifo_or_dev_zero_in_place_of_a_snapshot_file_is_refused_without_reading(
@@ -308,15 +283,10 @@ def test_a_fifo_or_dev_zero_in_place_of_a_snapshot_file_is_refused_without_readi
         monkeypatch.setenv(s.ROOT_ENV, str(root))
         monkeypatch.setenv(s.KEY_ENV, s.TEST_KEY)
         record = ck.snapshot(model=_model(), step=1)
-        path = root / record.id / name
-        path.unlink()
-        if how == "fifo":
-            os.mkfifo(path)
-        else:
-            path.symlink_to("/dev/zero")
-        peak = _peak_rss_bytes()
-        assert _in_time(ck.list_snapshots) == []  # not listed, and listing does not hang
+        put_in_place(root / record.id / name, how)
+        peak = peak_rss_bytes()
+        assert in_time(ck.list_snapshots) == []  # not listed, and listing does not hang
         # refused: a description that cannot be read leaves the snapshot on no host
         with pytest.raises(ck.CheckpointError, match=record.id):
-            _in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
-        assert _peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory
+            in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
+        assert peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory

@@ -5,10 +5,7 @@ to ``/dev/zero`` is refused at once, and the pool runs on as it was."""
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from torch import nn
 
 from fsdp_interactive import checkpoint as ck
 from fsdp_interactive.pool import Pool, RecoveryError
+from tests.hostile_files import in_time, put_in_place
 
 
 @pytest.fixture(scope="module")
@@ -36,24 +34,6 @@ def persisted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _in_time(fn: Callable[[], Any], seconds: float = 60) -> Any:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s: it hangs"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
-
 @pytest.mark.parametrize("how", ["fifo", "dev-zero"])
 @pytest.mark.parametrize("name", ["snapshot.json", "manifest.json", "owner-seal.json", ".metadata"])
 def test_a_hostile_file_in_a_recover_from_folder_is_refused_at_once(
@@ -63,13 +43,9 @@ def test_a_hostile_file_in_a_recover_from_folder_is_refused_at_once(
 
     folder = tmp_path / "ckpt"
     shutil.copytree(persisted, folder)
-    (folder / name).unlink()
-    if how == "fifo":
-        os.mkfifo(folder / name)
-    else:
-        (folder / name).symlink_to("/dev/zero")
+    put_in_place(folder / name, how)
     before = pool.topology
     with pytest.raises(RecoveryError) as refused:
-        _in_time(lambda: pool.recover(from_=str(folder), dry_run=True))
+        in_time(lambda: pool.recover(from_=str(folder), dry_run=True))
     assert "nothing was changed" in str(refused.value)
     assert pool.running and pool.topology == before

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from pathlib import Path
 
 from fsdp_interactive import _private_files
+from fsdp_interactive.checkpoint import _seal_json
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError, SnapshotError
 
 KEY_ENV = "FSDPI_SNAPSHOT_KEY"
@@ -80,9 +80,9 @@ def _mac(key: bytes, snapshot_id: str, name: str, text: str) -> str:
 def seal(key: bytes, snapshot_id: str, manifest_json: str, record_json: str) -> str:
     """The content of ``seal.json`` for a snapshot's manifest and record texts."""
     texts = dict(zip(SEALED, (manifest_json, record_json), strict=True))
-    data = {"format": _FORMAT, "algorithm": "hmac-sha256"}
-    data.update({name: _mac(key, snapshot_id, name, text) for name, text in texts.items()})
-    return json.dumps(data, indent=2, sort_keys=True)
+    return _seal_json.write(
+        _FORMAT, {name: _mac(key, snapshot_id, name, text) for name, text in texts.items()}
+    )
 
 
 def check(
@@ -103,11 +103,8 @@ def check(
             file=str(where),
         )
     try:
-        data = json.loads(seal_json)
-        if data.get("format") != _FORMAT or data.get("algorithm") != "hmac-sha256":
-            raise ValueError("not a snapshot seal")
-        macs = {name: str(data[name]) for name in SEALED}
-    except (ValueError, KeyError, AttributeError) as exc:
+        macs, _ = _seal_json.read(seal_json, _FORMAT, SEALED)
+    except ValueError as exc:
         raise CorruptCheckpointError(
             f"{where}: invalid seal ({exc}); refusing it", file=str(where)
         ) from None
