@@ -48,11 +48,14 @@ INSECURE_NOTE = (
 @dataclass(frozen=True)
 class Channels:
     """``ipc``: the controller listens in the pool's socket folder; ``curve``: CurveZMQ on
-    every channel; ``insecure``: neither, as ``insecure_network=True`` allowed."""
+    every channel; ``insecure``: neither, as ``insecure_network=True`` allowed;
+    ``configurable``: the controller is ipyparallel's local one, which the pool starts
+    through its own entry (private logs and files, umask 077) whatever the channels."""
 
     ipc: bool
     curve: bool
     insecure: bool = False
+    configurable: bool = True
 
     def describe(self) -> str:
         if self.insecure:
@@ -76,7 +79,7 @@ def choose(
     loopback) with ipyparallel's local controller launcher (``local_controller``)."""
     if not local_controller:
         if insecure_network:
-            return Channels(ipc=False, curve=False, insecure=True)
+            return Channels(ipc=False, curve=False, insecure=True, configurable=False)
         raise PoolStartError(
             "the controller is started by a launcher a config chose, so the pool cannot make "
             "its channels private (unix sockets on one host, CurveZMQ across hosts) and will "

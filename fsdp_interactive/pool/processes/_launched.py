@@ -393,8 +393,9 @@ class LaunchedProcesses:
 
     def _controller_kwargs(self, channels: Channels, log_dir: str) -> dict[str, Any]:
         """What the controller launcher is made with: this package's controller entry, its
-        settings in its environment (:mod:`._controller_entry`), its log in ``log_dir``."""
-        if channels.insecure:
+        settings in its environment (:mod:`._controller_entry`), its log in ``log_dir``;
+        nothing for a controller launcher a config chose."""
+        if not channels.configurable:
             return {}
         output = os.path.join(log_dir, f"ipcontroller-{self.cluster.cluster_id}.log")
         os.close(_private_files.open_log(output))
