@@ -179,6 +179,11 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @argument(
+        "--insecure-network",
+        action="store_true",
+        help="start even where the pool's channels would cross the network unencrypted",
+    )
     @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
@@ -215,6 +220,7 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                insecure_network=args.insecure_network,
                 **({} if hang_notice is None else {"hang_notice": hang_notice}),
             )
         except ValueError as error:

@@ -30,10 +30,12 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fsdp_interactive import _owner_key
 from fsdp_interactive.pool import _cell_imports, _export, _script_calls, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
@@ -63,6 +65,7 @@ from fsdp_interactive.pool.errors import (
     START,
     PoolNotRunning,
 )
+from fsdp_interactive.pool.processes._channels import INSECURE_NOTE, check_connected_channels
 from fsdp_interactive.pool.processes._launched import BROKEN_STOP_TIMEOUT_S, LaunchedProcesses
 from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_calls
 
@@ -80,6 +83,17 @@ def _stop_live_pools() -> None:
 
 
 atexit.register(_stop_live_pools)
+
+
+def _checkpoint_key_env() -> dict[str, str]:
+    """This user's checkpoint key for every rank (``FSDPI_CHECKPOINT_KEY``), so that ranks
+    on hosts without this user's home seal and check disk checkpoints with it too; nothing
+    when it cannot be had here (a save then says why on the ranks)."""
+    try:
+        return {_owner_key.KEY_ENV: _owner_key.key_hex()}
+    except _owner_key.OwnerKeyError as error:
+        log.debug("no checkpoint key for the ranks: %s", error)
+        return {}
 
 
 class Pool(FaultCalls, DebuggingCalls):
@@ -137,6 +151,13 @@ class Pool(FaultCalls, DebuggingCalls):
         ranks, the collective, the line, and what to type. ``False`` turns it off; the
         attribute of the same name changes it later, ``run(hang_notice=...)`` for one
         call. The notice never ends a call (``timeout=`` does).
+    insecure_network:
+        Start even where the pool cannot keep its channels from other users (engines on
+        other hosts without CurveZMQ, a controller launcher a config chose, a connected
+        cluster on plain TCP), leaving every cell's source and output readable on the
+        network; the start says so. Default ``False``: such a pool refuses to start
+        (docs/security.md). A one-host pool listens only in its private socket folder,
+        a pool across hosts encrypts with CurveZMQ, whatever this says.
     """
 
     def __init__(
@@ -155,9 +176,13 @@ class Pool(FaultCalls, DebuggingCalls):
         check_collectives: bool = False,
         recover: str | None = None,
         hang_notice: float | bool = DEFAULT_HANG_NOTICE_S,
+        insecure_network: bool = False,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
+        if not isinstance(insecure_network, bool):
+            raise ValueError(f"insecure_network must be True or False, got {insecure_network!r}")
+        self.insecure_network = insecure_network
         check_options(
             engines=engines,
             timeout=timeout,
@@ -192,7 +217,9 @@ class Pool(FaultCalls, DebuggingCalls):
         # Authenticates every snapshot this pool writes (kept across restarts, for recover).
         self._snapshot_key = _snapshot_root.new_key()
         self._processes = LaunchedProcesses(
-            log_level=self._log_level, snapshot_root=self._snapshot_root
+            log_level=self._log_level,
+            snapshot_root=self._snapshot_root,
+            insecure_network=insecure_network,
         )
         self._client: Any = None
         self._live: LiveGroup | None = None
@@ -348,9 +375,16 @@ class Pool(FaultCalls, DebuggingCalls):
                 cluster_kwargs=self._cluster_kwargs,
                 timeout=self.timeout,
             )
+            channels = self._processes.channels
+            insecure = channels is not None and channels.insecure
         else:
             assert self._connect_kwargs is not None
             self._client = connect_client(self._connect_kwargs)
+            insecure = check_connected_channels(
+                self._client, insecure_network=self.insecure_network
+            )
+        if insecure:
+            print(f"fsdp-interactive: {INSECURE_NOTE}", file=sys.stderr, flush=True)
         _stray_comms.keep_iopub_alive(self._client)
         rendezvous = Rendezvous(
             self._client,
@@ -363,7 +397,9 @@ class Pool(FaultCalls, DebuggingCalls):
             engine_env={
                 _snapshot_root.ENV_VAR: self._snapshot_root,
                 _snapshot_root.KEY_ENV_VAR: self._snapshot_key,
+                **_checkpoint_key_env(),
             },
+            socket_folder=self._processes.socket_folder if self.owns_engines else None,
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         return rendezvous

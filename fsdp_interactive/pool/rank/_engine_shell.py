@@ -80,9 +80,10 @@ def code_name(filename: str) -> str | None:
 def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     """Start this engine's agent, then join the group as ``spec`` says.
 
-    ``spec["agent"]``: ``{"host": address to bind, "nonce": hex, "end_with_owner":
-    bool}`` (see :class:`._agent.RankAgent`). The record of
-    :func:`._bootstrap.join_group` comes back with ``agent`` (``[host, port]``).
+    ``spec["agent"]``: ``{"host": address to bind, or the socket folder to listen in,
+    "nonce": hex, "end_with_owner": bool}`` (see :class:`._agent.RankAgent`). The record
+    of :func:`._bootstrap.join_group` comes back with ``agent`` (``[host, port]``, ``[path,
+    0]`` for a unix socket).
     """
     shell = _shell()
     agent = spec["agent"]
