@@ -37,11 +37,9 @@ class SaveHandle(BackgroundResult[SaveResult]):
     """A save's outcome, once known. ``wait()`` returns its :class:`SaveResult`.
 
     An asynchronous save publishes its checkpoint from a background thread whether or
-    not ``wait`` is called. ``wait(timeout=None)`` blocks until it is published and
-    re-raises the save's error, if any, or raises ``TimeoutError`` after ``timeout``
-    seconds (the save goes on); ``done()`` is true once it has finished (published or
-    failed); ``exception()`` is its error once done (``None`` while running or on
-    success). A :class:`concurrent.futures.Future` (``result``, ``add_done_callback``,
+    not ``wait`` is called; ``wait`` re-raises the save's error, if any, and a
+    ``TimeoutError`` after ``timeout`` leaves the save running. A
+    :class:`concurrent.futures.Future` (``result``, ``add_done_callback``,
     ``asyncio.wrap_future``), except that ``exception()`` does not block and a save
     cannot be cancelled.
     """
@@ -49,6 +47,20 @@ class SaveHandle(BackgroundResult[SaveResult]):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
+
+    # Defined here, not only inherited, so that the API reference lists them.
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until published; raise its error, or ``TimeoutError`` after ``timeout``."""
+        return super().wait(timeout)
+
+    def done(self) -> bool:
+        """True once the save has finished (published or failed)."""
+        return super().done()
+
+    def exception(self, timeout: float | None = 0.0) -> BaseException | None:
+        """The save's error once done (``None`` while running or on success); it waits
+        up to ``timeout`` seconds for the save to finish first (by default not at all)."""
+        return super().exception(timeout)
 
     def _subject(self) -> str:
         return self.path

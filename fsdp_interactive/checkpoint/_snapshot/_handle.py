@@ -20,13 +20,9 @@ class SnapshotHandle(BackgroundResult[SnapshotRecord]):
     published.
 
     The snapshot is written and published on a background thread whether or not
-    :meth:`wait` is called. ``wait(timeout=None)`` blocks until it is published and
-    returns its record, raises its error, or raises ``TimeoutError`` after ``timeout``
-    seconds (the snapshot goes on); ``done()`` is true once it is published or has
-    failed; ``exception()`` is its error once done (``None`` while running or on
-    success). A :class:`concurrent.futures.Future` (``result``, ``add_done_callback``,
-    ``asyncio.wrap_future``), except that ``exception()`` does not block and a snapshot
-    cannot be cancelled.
+    :meth:`wait` is called. A :class:`concurrent.futures.Future` (``result``,
+    ``add_done_callback``, ``asyncio.wrap_future``), except that ``exception()`` does not
+    block and a snapshot cannot be cancelled.
 
     If a rank dies or a host goes away while it is written, the surviving ranks' writes
     fail (gloo reports the closed connection, at the latest after the process group's
@@ -40,6 +36,21 @@ class SnapshotHandle(BackgroundResult[SnapshotRecord]):
         super().__init__()
         self.id = snapshot_id
         self.seconds = seconds
+
+    # Defined here, not only inherited, so that the API reference lists them.
+    def wait(self, timeout: float | None = None) -> SnapshotRecord:
+        """Block until published and return its record; raise its error, or
+        ``TimeoutError`` after ``timeout`` seconds (the snapshot goes on)."""
+        return super().wait(timeout)
+
+    def done(self) -> bool:
+        """True once the snapshot is published or has failed."""
+        return super().done()
+
+    def exception(self, timeout: float | None = 0.0) -> BaseException | None:
+        """The snapshot's error once done (``None`` while running or on success); it
+        waits up to ``timeout`` seconds for the snapshot first (by default not at all)."""
+        return super().exception(timeout)
 
     def _subject(self) -> str:
         return self.id
