@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -227,26 +226,20 @@ def run(plan: SavePlan, captured: Capture, ranks: Ranks) -> SaveHandle:
     contents = captured.contents
     if plan.mode == "sync":
         _write(captured.state, plan, ranks)
-        handle._finish(_finalize(plan, contents, ranks))
+        handle.set_result(_finalize(plan, contents, ranks))
         return handle
     side = Ranks(background_gloo_group("checkpoint")) if ranks.distributed else ranks
     upload = _stage(captured.state, plan, side)
 
-    def background() -> None:
-        try:
-            _await_upload(upload, plan, side)
-            result = _finalize(plan, contents, side)
-        except BaseException as exc:
-            logger.info("async save %s failed: %s", plan.final, exc)
-            handle._finish(None, exc)
-        else:
-            handle._finish(result)
+    def background() -> SaveResult:
+        _await_upload(upload, plan, side)
+        return _finalize(plan, contents, side)
+
+    def failed(exc: BaseException) -> None:
+        logger.info("async save %s failed: %s", plan.final, exc)
 
     INFLIGHT.hold(handle)
-    thread = threading.Thread(
-        target=background, name=f"checkpoint-save:{plan.final.name}", daemon=True
-    )
-    thread.start()
+    handle.run_in_thread(background, f"checkpoint-save:{plan.final.name}", failed)
     return handle
 
 

@@ -268,12 +268,12 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         if not self.pool.running:
             return
         from fsdp_interactive.notebook.rank_model import RankModel
-        from fsdp_interactive.notebook.render import memory_text, topology_text
+        from fsdp_interactive.notebook.render import render_memory, render_topology
 
-        print(topology_text(self.pool.topology))
+        print(render_topology(self.pool.topology).text())
         print()
         try:
-            print(memory_text(RankModel(self.pool).memory()))
+            print(render_memory(RankModel(self.pool).memory()).text())
         except pool_failures() as error:
             print(f"memory not asked: {shown_message(error)}")
 
