@@ -32,7 +32,7 @@ _lock = threading.Lock()
 _sink: Callable[[Notice], None] | None = None
 _current_call: int | None = None
 _replaying = False
-_judge: Callable[[str, Any], str | None] | None = None
+_judge: Callable[[str, Any, Any], str | None] | None = None
 
 
 def current_call() -> int | None:
@@ -78,21 +78,22 @@ def publish(notice: Notice) -> None:
         log.debug("notice %r not delivered: %s", notice.get("kind"), error)
 
 
-def set_judge(judge: Callable[[str, Any], str | None] | None) -> None:
+def set_judge(judge: Callable[[str, Any, Any], str | None] | None) -> None:
     """Install what :func:`unreplayed` asks (``None``: nobody judges)."""
     global _judge
     _judge = judge
 
 
-def unreplayed(name: str, value: Any) -> str | None:
-    """Why a recovery would not bind ``name`` to an object like ``value`` (what it holds
-    now) again, in words for the user; ``None`` when it would, or when nobody can tell
-    (outside a pool)."""
+def unreplayed(name: str, value: Any, namespace: Any) -> str | None:
+    """Why a recovery would not bind ``name`` of ``namespace`` to an object like ``value``
+    (what it holds now) again, in words for the user; ``None`` when it would, or when
+    nobody can tell (outside a pool, or a namespace that is not the notebook's, such as a
+    running script's globals)."""
     judge = _judge
     if judge is None:
         return None
     try:
-        return judge(name, value)
+        return judge(name, value, namespace)
     except Exception as error:  # a judge that fails judges nothing
         log.debug("could not judge %r: %s", name, error)
         return None

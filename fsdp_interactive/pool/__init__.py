@@ -13,8 +13,10 @@ method a running call's :class:`HangNotice` (``None`` when it goes away). Rank-s
 """
 
 from fsdp_interactive._lazy_exports import public_names
+from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
@@ -38,6 +40,8 @@ from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_
 __all__ = [
     "CollectiveTrace",
     "DebuggerOutput",
+    "ExportPlan",
+    "ExportRefused",
     "HangNotice",
     "InterruptReport",
     "Pool",
@@ -56,6 +60,8 @@ __all__ = [
     "RecorderDump",
     "RecoveryError",
     "RunResult",
+    "ScriptRunError",
+    "ScriptStatus",
     "TaggedPrinter",
     "check_ssh_hosts",
     "visible_cuda_device_count",

@@ -41,6 +41,7 @@ import json
 import os
 from typing import Any
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._slice import ReplaySlice, roots_of, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo, held_snapshots
@@ -120,9 +121,8 @@ def check_folder(pool: Pool, folder: str) -> None:
 
 def _record_damage(path: str) -> str:
     """What is wrong with the snapshot record file ``path`` ("": nothing seen here)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            data = json.load(file)
+    try:  # no link followed, no wait on a FIFO, a bounded size: it may have been planted
+        data = json.loads(_private_files.read_regular(path))
     except (OSError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     if not isinstance(data, dict):

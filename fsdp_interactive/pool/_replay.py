@@ -71,7 +71,8 @@ def restored_suffix(
 
 def _skip_plan(entry: JournalEntry, rank: int, restored: Sequence[str]) -> dict[str, Any] | None:
     calls = entry.inits.get(rank)
-    if not calls or not restored:
+    # A script run trains on its parameters before it pauses: it draws them all.
+    if not calls or not restored or entry.script is not None:
         return None
     return {"from": restored_suffix(calls, restored), "calls": [(f, s) for f, s, _ in calls]}
 

@@ -217,7 +217,7 @@ def findable(
 
     def why_not(location: str) -> str | None:
         root = location.split(".", 1)[0]
-        return _notices.unreplayed(root, namespace.get(root))
+        return _notices.unreplayed(root, namespace.get(root), namespace)
 
     def settle(keyword: str, location: str | None) -> str | None:
         if location is None:
