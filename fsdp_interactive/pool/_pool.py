@@ -101,7 +101,9 @@ class Pool(FaultCalls, DebuggingCalls):
         Other keyword arguments go to ``ipyparallel.Cluster`` unchanged (e.g.
         ``profile_dir``, ``controller_ip``, ``config``).
     timeout:
-        Seconds for start-up: engines registering plus process-group creation.
+        Seconds for start-up: engines registering plus process-group creation. An
+        engine lost on the way (it exits, or stays silent while the others register) is
+        started once more, and that may add up to half of ``timeout``.
     pg_timeout:
         ``torch.distributed`` process-group timeout in seconds (default 600): a
         collective waiting longer than this fails on the ranks. The pool's own watchdog
@@ -327,6 +329,7 @@ class Pool(FaultCalls, DebuggingCalls):
     def _open(self, n: int | None) -> Rendezvous:
         """Launch the cluster (or connect to it) and wait for its engines to register."""
         deadline = time.monotonic() + self.timeout
+        reconnect: Callable[[float], Any]
         if self.owns_engines:
             assert n is not None
             self._client = self._processes.launch(
@@ -335,10 +338,12 @@ class Pool(FaultCalls, DebuggingCalls):
                 cluster_kwargs=self._cluster_kwargs,
                 timeout=self.timeout,
             )
+            reconnect = self._processes.connect_client
         else:
             assert self._connect_kwargs is not None
-            self._client = connect_client(self._connect_kwargs)
-        _stray_comms.keep_iopub_alive(self._client)
+            connect_kwargs = self._connect_kwargs
+            self._client = connect_client(connect_kwargs)
+            reconnect = lambda timeout: connect_client({**connect_kwargs, "timeout": timeout})  # noqa: E731
         rendezvous = Rendezvous(
             self._client,
             timeout=self.timeout,
@@ -352,7 +357,11 @@ class Pool(FaultCalls, DebuggingCalls):
                 _snapshot_root.KEY_ENV_VAR: self._snapshot_key,
             },
         )
-        rendezvous.wait_for_engines(n or 1, deadline)
+        try:
+            rendezvous.wait_for_engines(n or 1, deadline, reconnect=reconnect)
+        finally:
+            self._client = rendezvous.client  # a new client may have taken over
+        _stray_comms.keep_iopub_alive(self._client)
         return rendezvous
 
     def stop(self) -> None:
