@@ -90,7 +90,7 @@ class FsdpMagics(RecoveryMagics, Magics):
     def fsdp(self, line: str) -> Any:
         """Manage the rank pool.
 
-        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N]
+        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N] [--oversubscribe]
         %fsdp stop | restart | status | interrupt
         %fsdp push NAME [NAME ...]              copy kernel variables to every rank
         %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
@@ -150,6 +150,11 @@ class FsdpMagics(RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more CPU ranks than this host has cores without a warning",
+    )
     def _fsdp_start(self, rest: str) -> None:
         """%fsdp start"""
         args = self._parse(self._fsdp_start, rest, "start")
@@ -183,6 +188,7 @@ class FsdpMagics(RecoveryMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                oversubscribe=args.oversubscribe,
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,9 +49,10 @@ from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._live_group import LiveGroup
 from fsdp_interactive.pool._options import check_options, flight_recorder_entries
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
-from fsdp_interactive.pool._placement import check_request, plan
+from fsdp_interactive.pool._placement import check_request, oversubscription, plan
 from fsdp_interactive.pool._rendezvous import Rendezvous, connect_client
 from fsdp_interactive.pool._snapshots import SnapshotBook
+from fsdp_interactive.pool._start_progress import StartProgress, describe_ranks
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
@@ -110,6 +112,12 @@ class Pool(FaultCalls, DebuggingCalls):
         (``timeout=`` of ``run``/``call``) reports hangs sooner, without killing anything.
     show_topology:
         Print the rank table when the pool starts.
+    show_progress:
+        Show the start's phases while it runs (controller up, engines k/N registered,
+        group formed), on one line that moves in place on stdout.
+    oversubscribe:
+        Start more CPU ranks than this host has cores without the warning that says so
+        (also ``$FSDPI_OVERSUBSCRIBE=1``).
     interrupt_grace:
         Seconds to wait for ranks to stop after forwarding SIGINT.
     log_level:
@@ -147,6 +155,8 @@ class Pool(FaultCalls, DebuggingCalls):
         flight_recorder: int | None = None,
         check_collectives: bool = False,
         recover: str | None = None,
+        show_progress: bool = True,
+        oversubscribe: bool = False,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
@@ -157,6 +167,8 @@ class Pool(FaultCalls, DebuggingCalls):
             flight_recorder=flight_recorder,
             check_collectives=check_collectives,
             recover=recover,
+            oversubscribe=oversubscribe,
+            show_progress=show_progress,
         )
         _hosts.check_controller_ip(cluster_kwargs.get("controller_ip"))
         self._log_level = _logs.parse_level(log_level)
@@ -166,6 +178,8 @@ class Pool(FaultCalls, DebuggingCalls):
         self.timeout = float(timeout)
         self.pg_timeout = float(pg_timeout)
         self.show_topology = show_topology
+        self.show_progress = show_progress
+        self.oversubscribe = oversubscribe
         self.interrupt_grace = float(interrupt_grace)
         self.flight_recorder = flight_recorder
         self.check_collectives = check_collectives
@@ -299,24 +313,36 @@ class Pool(FaultCalls, DebuggingCalls):
             _logs.enable(self._log_level)
         local = self.owns_engines and self.engines == "local"  # else engines report devices
         placement = plan(self._request, local_engines=local, connecting=not self.owns_engines)
+        crowded = oversubscription(placement, local_engines=local, allowed=self.oversubscribe)
+        if crowded:
+            print(f"fsdp-interactive: warning: {crowded}", file=sys.stderr, flush=True)
         log.debug("starting: %s, engines=%r", placement, self.engines)
+        progress = StartProgress(
+            describe_ranks(placement.n, placement.devices, placement.backend),
+            shown=self.show_progress,
+            moving=self._log_level is None,  # log records come between the phases
+        )
+        progress.controller_starting(connecting=not self.owns_engines)
         began = time.monotonic()
         self._state = PoolState.STARTING
         _live_pools.add(self)
         try:
-            rendezvous = self._open(placement.n)
+            rendezvous = self._open(placement.n, progress)
             n = placement.n or len(self._client.ids)
+            progress.engines_up(n)
             group = rendezvous.form_group(n, placement)
             for record in group.records:
                 self._processes.alias(record.pid, group.parent_pids.get(record.rank))
             self._live = LiveGroup(self._client, group, self._processes, owned=self.owns_engines)
             rendezvous.set_up_namespaces(group)
         except BaseException:
+            progress.failed()
             log.debug(
                 "start-up failed after %.2fs; stopping what was started", time.monotonic() - began
             )
             self._teardown()
             raise
+        progress.formed()
         self._state = PoolState.RUNNING
         self._faults.started()
         self.needs_restart = False
@@ -326,7 +352,7 @@ class Pool(FaultCalls, DebuggingCalls):
             print(self.topology_table(), flush=True)
         return self
 
-    def _open(self, n: int | None) -> Rendezvous:
+    def _open(self, n: int | None, progress: StartProgress) -> Rendezvous:
         """Launch the cluster (or connect to it) and wait for its engines to register."""
         deadline = time.monotonic() + self.timeout
         reconnect: Callable[[float], Any]
@@ -337,12 +363,14 @@ class Pool(FaultCalls, DebuggingCalls):
                 engines=self.engines,
                 cluster_kwargs=self._cluster_kwargs,
                 timeout=self.timeout,
+                on_controller_up=progress.controller_up,
             )
             reconnect = self._processes.connect_client
         else:
             assert self._connect_kwargs is not None
             connect_kwargs = self._connect_kwargs
             self._client = connect_client(connect_kwargs)
+            progress.controller_up(connecting=True)
             reconnect = lambda timeout: connect_client({**connect_kwargs, "timeout": timeout})  # noqa: E731
         rendezvous = Rendezvous(
             self._client,
@@ -358,7 +386,13 @@ class Pool(FaultCalls, DebuggingCalls):
             },
         )
         try:
-            rendezvous.wait_for_engines(n or 1, deadline, reconnect=reconnect)
+            rendezvous.wait_for_engines(
+                n or 1,
+                deadline,
+                reconnect=reconnect,
+                on_count=lambda count: progress.registered(count, n),
+                notice=progress.notice,
+            )
         finally:
             self._client = rendezvous.client  # a new client may have taken over
         _stray_comms.keep_iopub_alive(self._client)

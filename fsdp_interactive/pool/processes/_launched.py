@@ -42,7 +42,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,11 +230,13 @@ class LaunchedProcesses:
         engines: str,
         cluster_kwargs: Mapping[str, Any],
         timeout: float,
+        on_controller_up: Callable[[float], None] | None = None,
     ) -> Any:
         """Start a controller and ``n`` engines; return a connected ``ipyparallel.Client``.
 
-        The engines may not have registered yet. Raises :class:`PoolStartError` when the
-        cluster does not start; :meth:`stop` then ends what did start.
+        The engines may not have registered yet. ``on_controller_up(seconds)`` is called
+        on the calling thread once the controller is up. Raises :class:`PoolStartError`
+        when the cluster does not start; :meth:`stop` then ends what did start.
         """
         import ipyparallel as ipp
 
@@ -280,6 +282,8 @@ class LaunchedProcesses:
         def cluster_id() -> str:
             return str(self.cluster.cluster_id)
 
+        controller_up: list[float] = []  # seconds it took, once it is up
+
         async def start() -> None:
             began = time.monotonic()
             self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
@@ -299,7 +303,8 @@ class LaunchedProcesses:
                     None, self._check_ssh_hosts, kwargs.get("config"), started
                 )
             await self.cluster.start_controller()
-            log.debug("controller up in %.2fs", time.monotonic() - began)
+            controller_up.append(time.monotonic() - began)
+            log.debug("controller up in %.2fs", controller_up[0])
             if checked is not None:
                 await checked
             began = time.monotonic()
@@ -315,7 +320,7 @@ class LaunchedProcesses:
             log.debug("%d engines started (%s) in %.2fs", n, how, time.monotonic() - began)
 
         try:
-            self._loop.run(start, timeout=timeout)
+            self._loop.run(start, timeout=timeout, poll=_call_once(controller_up, on_controller_up))
         except PoolStartError:
             raise  # says what to fix already
         except Exception as exc:
@@ -660,6 +665,22 @@ class LaunchedProcesses:
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             self._state_dir = None
+
+
+def _call_once(
+    values: list[float], callback: Callable[[float], None] | None
+) -> Callable[[], None] | None:
+    """A poll that calls ``callback(values[0])`` once, as soon as ``values`` has one."""
+    if callback is None:
+        return None
+    done: list[bool] = []
+
+    def poll() -> None:
+        if values and not done:
+            done.append(True)
+            callback(values[0])
+
+    return poll
 
 
 def _launch_order(index: str) -> tuple[int, str]:
