@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool.common import _py_spy
-from fsdp_interactive.pool.common._stacks import describe, format_stack, user_frames
+from fsdp_interactive.pool.common._stacks import Frame, describe, format_stack, user_frames
 from fsdp_interactive.pool.errors import describe_exit
 
 #: Lines of an engine's log, and frames of its main thread, a report shows.
@@ -188,7 +189,7 @@ def engine_report(
             log_tail=tail,
         )
     main = threads[0]
-    frames = list(main.frames)
+    frames = without_launch(list(main.frames))
     own = user_frames(frames)
     where = None
     if own:
@@ -207,6 +208,22 @@ def engine_report(
         log=shown_log,
         log_tail=tail,
     )
+
+
+#: Outer frames of every forked engine, how the forker started it: left out of its stack.
+_LAUNCH_FRAMES = re.compile(
+    r"([/\\]pool[/\\]processes[/\\](_engine_forker|_forked_children)\.py$)"
+    r"|^<frozen runpy>$|([/\\]runpy\.py$)"
+)
+
+
+def without_launch(frames: list[Frame]) -> list[Frame]:
+    """``frames`` (innermost first) without the outer ones that started the process (the
+    forker's fork and ``runpy``): the engine's own stack starts at its entry."""
+    kept = list(frames)
+    while len(kept) > 1 and _LAUNCH_FRAMES.search(kept[-1].file):
+        kept.pop()
+    return kept
 
 
 def _file_line(frame: Any) -> str:

@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import Instance
+from traitlets import Dict, Instance
 
 from fsdp_interactive.pool.common import _py_spy
 from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
@@ -421,6 +421,9 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkedEngineLauncher
     forker = Instance(EngineForker, allow_none=True)
+    #: Every engine launcher this set made, by identifier, ended ones too (``launchers``
+    #: forgets an engine as it ends, possibly before anyone looked at it).
+    made = Dict()
 
     @property
     def forker_pid(self) -> int | None:
@@ -464,4 +467,5 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
         engine.engine_cmd = copy.deepcopy(self.engine_cmd)
         engine.engine_args = copy.deepcopy(self.engine_args)
         engine.on_stop(self._notice_engine_stopped)
+        self.made[identifier] = engine
         return engine

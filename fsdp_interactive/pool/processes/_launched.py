@@ -400,7 +400,7 @@ class LaunchedProcesses:
         for engine_set in cluster.engines.values():
             if not is_remote(engine_set) and getattr(engine_set, "pid", -1) > 0:
                 found.append(engine_set.pid)  # mpiexec: one local process for all engines
-            for launcher in getattr(engine_set, "launchers", {}).values():
+            for launcher in _set_launchers(engine_set):
                 if getattr(launcher, "pid", -1) > 0:
                     if id(launcher) not in self._retired:
                         self._launchers[launcher.pid] = launcher
@@ -510,7 +510,7 @@ class LaunchedProcesses:
             return []
         found: dict[int, Any] = {}
         for engine_set in list(self.cluster.engines.values()):
-            for launcher in list(getattr(engine_set, "launchers", {}).values()):
+            for launcher in _set_launchers(engine_set):
                 found[id(launcher)] = launcher
         for launcher in self._launchers.values():  # ended ones leave their set's list
             found[id(launcher)] = launcher
@@ -681,6 +681,16 @@ def _call_once(
             callback(values[0])
 
     return poll
+
+
+def _set_launchers(engine_set: Any) -> list[Any]:
+    """The engine launchers of ``engine_set``: those it lists, and, for the pool's forked
+    sets, every one it made (an engine that ended at once leaves ``launchers`` before the
+    pool records it; it must still be found, to tell of it or retry it)."""
+    # Copied at once: the loop thread changes these while engines start and end.
+    listed = list(getattr(engine_set, "launchers", {}).values())
+    made = list(getattr(engine_set, "made", {}).values())
+    return list({id(launcher): launcher for launcher in [*listed, *made]}.values())
 
 
 def _launch_order(index: str) -> tuple[int, str]:

@@ -289,6 +289,9 @@ class SSHForkedEngineSetLauncher(SSHEngineSetLauncher):
     hosts = List(help="the SSHHost plan of this set (plan_hosts)")
     #: Engine key -> (its host, its place in the ranks' order, its name in file names).
     _placed = Dict()
+    #: Every engine launcher this set made, by key, ended ones too (``launchers`` forgets
+    #: an engine as it ends, possibly before anyone looked at it).
+    made = Dict()
 
     async def start(self, n: int) -> list[str]:  # type: ignore[override]
         """Fork ``n`` engines on the hosts; their keys (``host/index``)."""
@@ -349,6 +352,7 @@ class SSHForkedEngineSetLauncher(SSHEngineSetLauncher):
         engine.engine_cmd = remote_engine_command(host.python)
         engine.engine_args = copy.deepcopy(self.engine_args)
         engine.on_stop(self._notice_engine_stopped)
+        self.made[key] = engine
         return engine
 
     def find_args(self) -> list[str]:
