@@ -2,34 +2,113 @@
 
 A start takes seconds (minutes on a loaded machine, or with many ranks); the user sees
 where it is: the controller starting, then up; engines ``k/N`` registered; the group
-forming, then formed. One line moves in place on stdout, rewritten with a carriage
-return (:class:`fsdp_interactive._status_line.StatusLines`): in a terminal, and in a
-notebook, whose front ends rewrite a stream's line the same way (the line a saved
-notebook keeps is the last one). It ends as one ordinary line with each phase's
-duration (or, for a start that fails, the phase it failed in); a notice (an engine
-retried) is written above it. When the pool shows its log records, which come on
-stderr between the phases, each phase is a line of its own instead.
+forming, then formed. One line shows the phase and is rewritten as the start moves on:
+
+* in a Jupyter kernel, a ``text/plain`` display updated in place by its display id (what
+  a saved notebook keeps is its last update: the summary line);
+* elsewhere (a terminal, a script), the last line of stdout, rewritten with a carriage
+  return (:class:`fsdp_interactive._status_line.StatusLines`); when the pool shows its
+  log records, which come on stderr between the phases, each phase is a line of its own.
+
+It ends as one line with each phase's duration, or, for a start that fails, the phase it
+reached. A notice (an engine started once more) is an ordinary line of stdout, shown in
+any case. With ``IPP_NONINTERACTIVE`` set (a batch run: nbval, papermill, as for
+ipyparallel's own progress) the phases are not shown.
 
 The first line is written before anything is started. Not done here: deciding the
-phases (the start does, :meth:`pool.Pool.start`).
+phases (:meth:`pool.Pool.start` does).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from typing import TextIO
+import uuid
+from typing import Protocol, TextIO
 
 from fsdp_interactive._status_line import StatusLines
 
 _KEY = "start"
 
 
-class StartProgress:
-    """The phases of one start, shown on ``stream`` (default: the current ``sys.stdout``).
+def interactive() -> bool:
+    """Whether someone watches this process's output live (``IPP_NONINTERACTIVE`` unset)."""
+    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")
 
-    ``what``: the ranks being started ("4 CPU ranks"); ``moving``: one line rewritten in
-    place (else one line per phase); ``shown``: ``False`` shows nothing (notices still are).
+
+def _in_kernel() -> bool:
+    """Whether this runs in a Jupyter kernel (whose front end updates displays in place)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+class _Surface(Protocol):
+    def show(self, text: str) -> None: ...
+    def end(self, text: str) -> None: ...
+    def notice(self, text: str) -> None: ...
+
+
+class _TextLine:
+    """The line on a text stream: rewritten in place (``moving``) or one line per phase."""
+
+    def __init__(self, stream: TextIO | None, moving: bool) -> None:
+        self._stream = stream
+        self._moving = moving
+        self._status = StatusLines(lambda _: self._out())
+
+    def _out(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stdout
+
+    def show(self, text: str) -> None:
+        if self._moving:
+            self._status.update(_KEY, "stdout", text)
+        else:
+            self._status.write("stdout", text + "\n")
+
+    def end(self, text: str) -> None:
+        if self._moving:
+            self._status.end(_KEY, "stdout", text)
+        else:
+            self._status.write("stdout", text + "\n")
+
+    def notice(self, text: str) -> None:
+        self._status.write("stdout", text + "\n")
+
+
+class _KernelDisplay:
+    """The line as one display of a Jupyter kernel, updated in place."""
+
+    def __init__(self) -> None:
+        self._id: str | None = None
+
+    def show(self, text: str) -> None:
+        from IPython.display import publish_display_data
+
+        update = self._id is not None
+        if self._id is None:
+            self._id = f"fsdp-interactive-start-{uuid.uuid4().hex}"
+        publish_display_data(
+            {"text/plain": text}, transient={"display_id": self._id}, update=update
+        )
+
+    def end(self, text: str) -> None:
+        self.show(text)
+
+    def notice(self, text: str) -> None:
+        print(text, flush=True)
+
+
+class StartProgress:
+    """The phases of one start (see the module's docstring).
+
+    ``what``: the ranks being started ("4 CPU ranks"); ``shown``: ``False`` shows no phase
+    (notices still are); ``moving``: outside a kernel, one line rewritten in place (else
+    one line per phase); ``stream``: the text stream to write to (default: a display in a
+    kernel, the current ``sys.stdout`` elsewhere).
     """
 
     def __init__(
@@ -41,27 +120,20 @@ class StartProgress:
         stream: TextIO | None = None,
     ) -> None:
         self._what = what
-        self._shown = shown
-        self._moving = moving
-        self._stream = stream
-        self._status = StatusLines(lambda _: self._out())
+        self._shown = shown and interactive()
+        self._surface: _Surface = (
+            _KernelDisplay() if stream is None and _in_kernel() else _TextLine(stream, moving)
+        )
         self.began = time.monotonic()
         self._done: list[str] = []  # finished phases, with their durations
         self._phase_began = self.began
         self._last = ""
 
-    def _out(self) -> TextIO:
-        return self._stream if self._stream is not None else sys.stdout
-
     def _show(self, text: str) -> None:
         if not self._shown or text == self._last:
             return
         self._last = text
-        line = f"starting {self._what}: {text}"
-        if self._moving:
-            self._status.update(_KEY, "stdout", line)
-        else:
-            self._status.write("stdout", line + "\n")
+        self._surface.show(f"starting {self._what}: {text}")
 
     def _finish_phase(self, name: str, seconds: float | None = None) -> float:
         """End the phase ``name`` (``seconds``: its duration, when known better than
@@ -93,16 +165,11 @@ class StartProgress:
         self._show(f"engines {n}/{n} registered ({seconds:.1f} s); forming the group")
 
     def notice(self, text: str) -> None:
-        """An ordinary line above the moving one (shown whatever ``shown`` says)."""
-        if self._moving and self._shown:
-            self._status.write("stdout", text.rstrip("\n") + "\n")
-        else:
-            out = self._out()
-            out.write(text.rstrip("\n") + "\n")
-            out.flush()
+        """An ordinary line of output (above a moving line), shown whatever ``shown`` says."""
+        self._surface.notice(text.rstrip("\n"))
 
     def formed(self) -> None:
-        """The group formed: the moving line becomes the summary line."""
+        """The group formed: the line becomes the summary line."""
         self._finish_phase("group formed")
         total = time.monotonic() - self.began
         self._end(f"started {self._what} in {total:.1f} s: {', '.join(self._done)}")
@@ -114,12 +181,8 @@ class StartProgress:
         self._end(f"starting {self._what}: {last}; gave up after {total:.1f} s")
 
     def _end(self, text: str) -> None:
-        if not self._shown:
-            return
-        if self._moving:
-            self._status.end(_KEY, "stdout", text)
-        else:
-            self._status.write("stdout", text + "\n")
+        if self._shown:
+            self._surface.end(text)
 
 
 def describe_ranks(n: int | None, devices: object, backend: str | None) -> str:

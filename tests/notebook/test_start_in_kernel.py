@@ -1,7 +1,7 @@
 """``%fsdp start`` through a real Jupyter kernel and its IOPub messages (what JupyterLab
-receives): the start's first line reaches the notebook within a second of the call, its
-phases follow in order on one line rewritten in place, and what the notebook keeps of
-that line is the summary, above the topology table."""
+receives): the start's first line reaches the notebook within a second of the call as a
+display, its phases follow in order as updates of that one display, and its last update,
+what a saved notebook keeps, is the summary line; the topology table follows it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,20 @@ from typing import Any
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from fsdp_interactive._lines import final_text
 from tests.notebook.test_kernel_output import Kernel, _kernel_env
 from tests.pool.test_start_progress import PHASES
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _start_display(message: dict[str, Any]) -> str | None:
+    """The text of the start's display (or of an update of it) that ``message`` carries."""
+    if message["msg_type"] not in ("display_data", "update_display_data"):
+        return None
+    content = message["content"]
+    if not content.get("transient", {}).get("display_id", "").startswith("fsdp-interactive-start"):
+        return None
+    return content["data"]["text/plain"]
 
 
 @pytest.mark.timing
@@ -35,22 +44,20 @@ def test_a_start_in_a_notebook_shows_its_phases_in_place_from_its_first_second()
         )
         errors = [m for _, m in stamped if m["msg_type"] == "error"]
         assert not errors, errors
-        out = [
-            (at, m["content"]["text"])
-            for at, m in stamped
-            if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
-        ]
-        assert out, stamped
-        first_at, first = out[0]
-        assert first.lstrip("\r").startswith(PHASES[0]), out
+        shown = [(at, m, _start_display(m)) for at, m in stamped if _start_display(m)]
+        assert shown, [m["msg_type"] for _, m in stamped]
+        first_at, first, text = shown[0]
+        assert first["msg_type"] == "display_data" and text.startswith(PHASES[0]), shown
         assert first_at - called < 1.0, f"the first line came {first_at - called:.2f}s after"
-        text = "".join(chunk for _, chunk in out)
-        positions = [text.index(phase) for phase in PHASES]
-        assert positions == sorted(positions), text
-        # A notebook rewrites the line at each carriage return: it keeps the summary.
-        shown = final_text(text).splitlines()
-        assert shown[0].startswith("started 2 CPU ranks in "), shown
-        assert shown[1].split()[:2] == ["rank", "local_rank"], shown
+        assert all(m["msg_type"] == "update_display_data" for _, m, _ in shown[1:])
+        texts = [text for _, _, text in shown]
+        order = [next(i for i, t in enumerate(texts) if phase in t) for phase in PHASES]
+        assert order == sorted(order), texts
+        assert texts[-1].startswith("started 2 CPU ranks in "), texts
+        # No carriage return reaches the notebook; the table follows as text.
+        out = "".join(m["content"]["text"] for _, m in stamped if m["msg_type"] == "stream")
+        assert "\r" not in out and "starting" not in out, out
+        assert out.split()[:2] == ["rank", "local_rank"], out
     finally:
         try:
             kernel.run("%fsdp stop", timeout=120)
