@@ -18,7 +18,7 @@ import contextlib
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fsdp_interactive.pool.common import _py_spy
@@ -151,62 +151,34 @@ def engine_report(
     else:
         tail = _log_tail(launcher, log_path if local else None, ended=not alive)
     shown_log = log_path if local else (f"{log_path} on {host}" if log_path else None)
+    report = EngineReport(index, pid, host, RUNNING, log=shown_log, log_tail=tail)
     if pid is None or getattr(launcher, "state", "") == "before":
         forked = hasattr(launcher, "start_forked") or hasattr(launcher, "start_on")
-        state = NEVER_FORKED if forked else NEVER_STARTED
-        return EngineReport(index, None, host, state, log=shown_log, log_tail=tail)
+        return replace(report, state=NEVER_FORKED if forked else NEVER_STARTED)
     if not alive:
-        return EngineReport(
-            index,
-            pid,
-            host,
-            EXITED,
-            status=describe_exit(exit_code),
-            log=shown_log,
-            log_tail=tail,
-        )
+        return replace(report, state=EXITED, status=describe_exit(exit_code))
     if not full:
-        return EngineReport(index, pid, host, RUNNING)
+        return report
     if not local:
-        return EngineReport(
-            index,
-            pid,
-            host,
-            RUNNING,
-            stack_note=f"it runs on {host}; py-spy reads stacks on this host only",
-            log=shown_log,
-            log_tail=tail,
+        return replace(
+            report, stack_note=f"it runs on {host}; py-spy reads stacks on this host only"
         )
     threads, why_not = _py_spy.dump(pid, timeout=_PY_SPY_TIMEOUT_S)
     if not threads:
-        return EngineReport(
-            index,
-            pid,
-            host,
-            RUNNING,
-            stack_note=why_not or "py-spy found no thread",
-            log=shown_log,
-            log_tail=tail,
-        )
-    main = threads[0]
-    frames = without_launch(list(main.frames))
+        return replace(report, stack_note=why_not or "py-spy found no thread")
+    frames = without_launch(list(threads[0].frames))  # the main thread's
+    if not frames:
+        return replace(report, stack_note="its main thread has no Python frame")
     own = user_frames(frames)
-    where = None
     if own:
         where = describe(own)
-    elif frames:  # nothing but engine machinery: it waits for messages, registered or not
+    else:  # nothing but engine machinery: it waits for messages, registered or not
         where = f"idle in its event loop, in {frames[0].function} ({_file_line(frames[0])})"
-    return EngineReport(
-        index,
-        pid,
-        host,
-        RUNNING,
+    return replace(
+        report,
         where=where,
-        stack=format_stack(frames[:STACK_FRAMES]) if frames else None,
-        stack_note=None if frames else "its main thread has no Python frame",
-        threads=tuple(t.name for t in threads[1:]),
-        log=shown_log,
-        log_tail=tail,
+        stack=format_stack(frames[:STACK_FRAMES]),
+        threads=tuple(thread.name for thread in threads[1:]),
     )
 
 
