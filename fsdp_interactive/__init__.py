@@ -11,6 +11,8 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
   next line (the others wait) and debug it from the notebook's input box.
 * ``snapshot(model=..., optimizer=..., **stateful)``: on the ranks, keep the training
   state in host memory (:mod:`fsdp_interactive.checkpoint`), to recover from a fault.
+* ``job``: what a script exported from a notebook session (``%fsdp export``) calls on
+  its ranks under torchrun (:mod:`fsdp_interactive.pool.rank._job`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ _LAZY_EXPORTS = {
     "Pool": "fsdp_interactive.pool",
     "breakpoint": "fsdp_interactive.pool.rank._breakpoint",
     "snapshot": "fsdp_interactive.checkpoint",
+    "job": "fsdp_interactive.pool.rank._job",
 }
 
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]

@@ -175,6 +175,7 @@ class CheckpointPanel(StatusView):
             f"_fsdp_interactive_checkpoint.load({self._path(name)!r}, {model}, {optimizer}, "
             f"strict={strict!r})"
         )[0]
+        self.source.pool.journal.note_outside(f"checkpoint {name} loaded into {model}")
         self.status = f"loaded {name} (step {report.step}) in {report.seconds:.2f}s"
         self._changed()
         return report
@@ -217,6 +218,8 @@ class CheckpointPanel(StatusView):
         ]
 
     def text(self) -> str:
+        """The panel as plain text: the checkpoint folder, a row per checkpoint, the last action's
+        status."""
         head = f"checkpoints in {self.root}: {len(self.records)}"
         table = text_table(_HEADERS, self._rows()) if self.records else "(none yet)"
         return "\n".join(filter(None, [head, table, self.status]))

@@ -7,15 +7,20 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 ``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
 hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
 ``on_output`` sink gets each chunk of the ranks' text and, through its ``display``
-method when it has one, each :class:`RankDisplay` they publish. Rank-side start-up code lives in
+method when it has one, each :class:`RankDisplay` they publish, and through its ``hang``
+method a running call's :class:`HangNotice` (``None`` when it goes away). Rank-side start-up code lives in
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
+from fsdp_interactive._lazy_exports import public_names
+from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
+from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice
 from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
 from fsdp_interactive.pool.diagnostics._post_mortem import DebuggerOutput
 from fsdp_interactive.pool.errors import (
@@ -35,6 +40,9 @@ from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_
 __all__ = [
     "CollectiveTrace",
     "DebuggerOutput",
+    "ExportPlan",
+    "ExportRefused",
+    "HangNotice",
     "InterruptReport",
     "Pool",
     "PoolBusy",
@@ -52,7 +60,11 @@ __all__ = [
     "RecorderDump",
     "RecoveryError",
     "RunResult",
+    "ScriptRunError",
+    "ScriptStatus",
     "TaggedPrinter",
     "check_ssh_hosts",
     "visible_cuda_device_count",
 ]
+
+__dir__ = public_names(__name__)

@@ -11,8 +11,8 @@ forming, then formed. One line shows the phase and is rewritten as the start mov
   log records, which come on stderr between the phases, each phase is a line of its own.
 
 It ends as one line with each phase's duration, or, for a start that fails, the phase it
-reached. A notice (an engine started once more) is an ordinary line of stdout, shown in
-any case. With ``IPP_NONINTERACTIVE`` set (a batch run: nbval, papermill, as for
+reached. A notice (an engine started once more, an insecure channel) is an ordinary line
+of stdout or stderr, shown in any case. With ``IPP_NONINTERACTIVE`` set (a batch run: nbval, papermill, as for
 ipyparallel's own progress) the phases are not shown.
 
 The first line is written before anything is started. Not done here: deciding the
@@ -49,7 +49,7 @@ def _in_kernel() -> bool:
 class _Surface(Protocol):
     def show(self, text: str) -> None: ...
     def end(self, text: str) -> None: ...
-    def notice(self, text: str) -> None: ...
+    def notice(self, text: str, stream: str) -> None: ...
 
 
 class _TextLine:
@@ -58,10 +58,12 @@ class _TextLine:
     def __init__(self, stream: TextIO | None, moving: bool) -> None:
         self._stream = stream
         self._moving = moving
-        self._status = StatusLines(lambda _: self._out())
+        self._status = StatusLines(self._out)
 
-    def _out(self) -> TextIO:
-        return self._stream if self._stream is not None else sys.stdout
+    def _out(self, name: str = "stdout") -> TextIO:
+        if self._stream is not None:
+            return self._stream
+        return sys.stderr if name == "stderr" else sys.stdout
 
     def show(self, text: str) -> None:
         if self._moving:
@@ -75,8 +77,8 @@ class _TextLine:
         else:
             self._status.write("stdout", text + "\n")
 
-    def notice(self, text: str) -> None:
-        self._status.write("stdout", text + "\n")
+    def notice(self, text: str, stream: str) -> None:
+        self._status.write(stream, text + "\n")
 
 
 class _KernelDisplay:
@@ -98,8 +100,8 @@ class _KernelDisplay:
     def end(self, text: str) -> None:
         self.show(text)
 
-    def notice(self, text: str) -> None:
-        print(text, flush=True)
+    def notice(self, text: str, stream: str) -> None:
+        print(text, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
 
 class StartProgress:
@@ -164,9 +166,10 @@ class StartProgress:
         seconds = self._finish_phase("engines registered")
         self._show(f"engines {n}/{n} registered ({seconds:.1f} s); forming the group")
 
-    def notice(self, text: str) -> None:
-        """An ordinary line of output (above a moving line), shown whatever ``shown`` says."""
-        self._surface.notice(text.rstrip("\n"))
+    def notice(self, text: str, stream: str = "stdout") -> None:
+        """An ordinary line of output on ``stream`` ("stdout" or "stderr"; above a moving
+        line), shown whatever ``shown`` says."""
+        self._surface.notice(text.rstrip("\n"), stream)
 
     def formed(self) -> None:
         """The group formed: the line becomes the summary line."""

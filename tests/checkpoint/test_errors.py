@@ -40,11 +40,14 @@ def _data_file(folder: Path) -> Path:
 
 
 def _rehash(folder: Path, name: str) -> None:
-    """Make the manifest agree with a file we altered on purpose."""
+    """Make the manifest agree with a file we altered on purpose, and seal it again with
+    this user's key, as the checkpoint's own user could: what is checked below the seal
+    (another user's change fails the seal first: tests/checkpoint/test_disk_security.py)."""
     manifest = json.loads((folder / "manifest.json").read_text())
     data = (folder / name).read_bytes()
     manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (folder / "manifest.json").write_text(json.dumps(manifest))
+    c.reseal(folder)
 
 
 def test_corrupted_file_is_named_and_nothing_is_loaded(saved):
@@ -143,6 +146,22 @@ def test_shape_mismatch_always_raises(saved):
         with pytest.raises(ck.IncompatibleCheckpointError, match=r"inp.weight: checkpoint shape"):
             ck.load(saved, model, strict=strict)
     assert _unchanged(model, before)
+
+
+def test_a_long_shape_mismatch_gives_a_count_and_the_first_few(tmp_path):
+    # 14 layers, 28 tensors, every one of another shape: one line, not 28.
+    ck.save(tmp_path / "narrow", torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(14))))
+    wide = torch.nn.Sequential(*(torch.nn.Linear(5, 5) for _ in range(14)))
+    with pytest.raises(ck.IncompatibleCheckpointError) as info:
+        ck.load(tmp_path / "narrow", wide)
+    assert str(info.value) == (
+        "checkpoint does not fit the model: shape mismatch for 28 tensors: "
+        "0.bias: checkpoint shape (4,), model shape (5,); "
+        "0.weight: checkpoint shape (4, 4), model shape (5, 5); "
+        "1.bias: checkpoint shape (4,), model shape (5,); and 25 more; "
+        "every one in error.shape_mismatches"
+    )
+    assert len(info.value.shape_mismatches) == 28
 
 
 def test_optimizer_mismatches(saved, tmp_path):

@@ -123,7 +123,11 @@ class RankAgents:
         """Open the fault and event links of every rank (concurrently; failures are logged)."""
 
         def link(rank: int, kind: str) -> tuple[int, str, Connection]:
-            conn = _agent_wire.connect(self.addresses[rank], self._key, self.timeout)
+            address = self.addresses[rank]
+            # A fault link stays plain: faulthandler writes into its socket (it carries
+            # code locations, no values); everything else to a TCP agent is encrypted.
+            secure = kind != "fault_link" and not _agent_wire.is_unix(address[0])
+            conn = _agent_wire.connect(address, self._key, self.timeout, secure=secure)
             conn.send({"op": kind})
             reply = conn.recv()
             if not (isinstance(reply, dict) and reply.get("ok")):

@@ -44,8 +44,9 @@ from typing import Any
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import Dict, Instance
+from traitlets import Dict, Instance, Unicode
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.pool.common import _py_spy
 from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
 
@@ -96,7 +97,7 @@ class EngineForker:
         self.where = where
         self.command = list(command) if command else forker_command()
         self.setup = setup or ForkerSetup()
-        with open(log_path, "ab") as log:
+        with os.fdopen(_private_files.open_log(log_path), "ab") as log:
             self._proc = subprocess.Popen(
                 self.command,
                 stdin=subprocess.PIPE,
@@ -421,6 +422,8 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkedEngineLauncher
     forker = Instance(EngineForker, allow_none=True)
+    #: Where the engines' logs go ("": the profile's ``log`` folder).
+    log_dir = Unicode("")
     #: Every engine launcher this set made, by identifier, ended ones too (``launchers``
     #: forgets an engine as it ends, possibly before anyone looked at it).
     made = Dict()
@@ -450,7 +453,7 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
             raise ForkerError("ForkedEngineSetLauncher needs forker=<a running EngineForker>")
 
     def _new_launcher(self, identifier: str) -> ForkedEngineLauncher:
-        log_dir = os.path.join(self.profile_dir, "log")
+        log_dir = self.log_dir or os.path.join(self.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
         engine = self.launchers[identifier] = self.launcher_class(
             work_dir=self.work_dir,

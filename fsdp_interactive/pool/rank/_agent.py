@@ -11,10 +11,13 @@ interfaces by default, has no authentication (documented as unsafe on untrusted
 networks), registers itself in the c10d store and serves through an HTTP frontend on
 rank 0 that needs Jinja2 and aiohttp. The pool's channel must also carry the debugger,
 which evaluates code on the rank: it has to be authenticated. This agent is one daemon
-thread per rank, bound to the address the pool uses for that rank (loopback for a
-single-host pool, the rank's cluster address across hosts), and every connection must
-pass an HMAC challenge in both directions (:mod:`pool.common._agent_wire`) with a key derived per
-pool start from the cluster's HMAC key, which never travels.
+thread per rank, listening where the pool tells it: in a single-host pool on a unix
+socket in the pool's private socket folder
+(:mod:`fsdp_interactive.pool.common._socket_folder`; no other local user can connect to
+it, where any could to a loopback port), across hosts on the rank's cluster address; and
+every connection must pass an HMAC challenge in both directions
+(:mod:`pool.common._agent_wire`) with a key derived per pool start from the cluster's
+HMAC key, which never travels.
 
 Requests are dicts with an ``"op"``; each connection is served on its own thread, so a
 slow answer (py-spy) does not hold up another:
@@ -42,12 +45,15 @@ slow answer (py-spy) does not hold up another:
   live breakpoint asks for debugger commands.
 
 The agent needs the GIL to answer; a rank whose C code holds the GIL does not answer,
-and the kernel falls back to the signal. Not done: encryption (the channel is
-authenticated, not private, like ipyparallel's own traffic).
+and the kernel falls back to the signal. On TCP (ranks on several hosts) every
+connection but the fault link is encrypted (TLS, :mod:`pool.common._secure_link`); the
+fault link stays plain, because faulthandler writes its dump straight into the socket,
+and carries code locations only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -59,6 +65,7 @@ from typing import Any
 
 from fsdp_interactive.pool.common import _agent_wire
 from fsdp_interactive.pool.common._agent_wire import STACK_SIGNAL
+from fsdp_interactive.pool.common._socket_folder import socket_path
 from fsdp_interactive.pool.rank._thread_stacks import CodeName
 
 log = logging.getLogger(__name__)
@@ -91,11 +98,20 @@ class RankAgent:
         self.user_thread = user_thread
         self.code_name = code_name
         self.rank = rank
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        self._unix_path: str | None = None
+        if _agent_wire.is_unix(host):  # the pool's socket folder
+            self._unix_path = socket_path(host, f"agent-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_path)  # an earlier group's agent of this process
+            self._sock = socket.socket(socket.AF_UNIX)
+            self._sock.bind(self._unix_path)
+            self.address: tuple[str, int] = (self._unix_path, 0)
+        else:
+            self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, 0))
+            self.address = self._sock.getsockname()[:2]
         self._sock.listen(64)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._links: dict[str, Connection] = {}
         self._events: EventLink | None = None
         self._closed = False
@@ -129,6 +145,9 @@ class RankAgent:
                 except (EOFError, OSError):
                     return
                 op = request.get("op") if isinstance(request, dict) else None
+                if not self._may_answer(conn, op):
+                    conn.send({"error": f"{op!r} is answered only over TLS on this agent"})
+                    continue
                 if op in ("fault_link", "event_link"):
                     self._keep_link(op, conn)
                     conn.send({"ok": True})
@@ -142,6 +161,15 @@ class RankAgent:
         finally:
             if conn is not None:
                 conn.close()
+
+    def _may_answer(self, conn: Any, op: Any) -> bool:
+        """A TCP agent answers a plain connection (no TLS) with a fault link only: what it
+        carries names code, never values (:mod:`pool.common._agent_wire`)."""
+        return (
+            self._unix_path is not None
+            or getattr(conn, "secure", False)
+            or op in _agent_wire.PLAIN_OPS
+        )
 
     def _answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
         from fsdp_interactive.pool.rank import (
@@ -237,6 +265,9 @@ class RankAgent:
         for conn in links.values():
             _shut(conn)
         self._sock.close()
+        if self._unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._unix_path)
 
 
 class EventLink:
@@ -291,10 +322,12 @@ def start(
     rank: Callable[[], int] = lambda: -1,
     end_with_owner: bool = False,
 ) -> tuple[str, int]:
-    """Start this process's agent on ``host`` (a fresh port); its ``(host, port)``.
+    """Start this process's agent on ``host`` (a fresh port), or in the socket folder
+    ``host`` names (an absolute path: a unix socket there); its ``(host, port)`` (``(path,
+    0)`` for a unix socket).
 
-    A running agent is replaced (a restarted pool brings a new key). ``user_thread``
-    defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
+        A running agent is replaced (a restarted pool brings a new key). ``user_thread``
+        defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
     """
     global _AGENT
     stop()
@@ -307,7 +340,7 @@ def start(
         rank=rank,
         end_with_owner=end_with_owner,
     )
-    log.debug("diagnostics agent listening on %s:%d", *_AGENT.address)
+    log.debug("diagnostics agent listening on %s (port %d)", *_AGENT.address)
     return _AGENT.address
 
 
