@@ -6,16 +6,12 @@ what a saved notebook keeps, is the summary line; the topology table follows it.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.manager import start_new_kernel
 
-from tests.notebook.test_kernel_output import Kernel, _kernel_env
+from tests.notebook.test_kernel_output import fsdp_kernel
 from tests.pool.test_start_progress import PHASES
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _start_display(message: dict[str, Any]) -> str | None:
@@ -30,9 +26,7 @@ def _start_display(message: dict[str, Any]) -> str | None:
 
 @pytest.mark.timing
 def test_a_start_in_a_notebook_shows_its_phases_in_place_from_its_first_second():
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=_kernel_env())
-    kernel = Kernel(client)
-    try:
+    with fsdp_kernel() as kernel:
         # The package is imported first: the call is what is timed, not the import.
         setup = kernel.run("%load_ext fsdp_interactive\nimport fsdp_interactive.pool")
         assert not [m for m in setup if m["msg_type"] == "error"], setup
@@ -58,9 +52,3 @@ def test_a_start_in_a_notebook_shows_its_phases_in_place_from_its_first_second()
         out = "".join(m["content"]["text"] for _, m in stamped if m["msg_type"] == "stream")
         assert "\r" not in out and "starting" not in out, out
         assert out.split()[:2] == ["rank", "local_rank"], out
-    finally:
-        try:
-            kernel.run("%fsdp stop", timeout=120)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=False)
