@@ -201,9 +201,12 @@ def execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> Recov
     """Carry ``plan`` out on ``pool`` (see the module's docstring), showing each phase on
     ``progress`` from its first moment."""
     try:
-        return _execute(pool, plan, progress)
-    finally:
-        progress.close()
+        report = _execute(pool, plan, progress)
+    except BaseException:
+        progress.close(ended=False)
+        raise
+    progress.close(ended=True)
+    return report
 
 
 def _execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:

@@ -2,27 +2,26 @@
 
 A recovery takes seconds (a minute on a loaded machine): ending the old group, starting a
 fresh one, finding the snapshots, replaying each cell, loading the snapshot. The phase
-under way is one line that moves in place on stdout, rewritten with a carriage return
-(:class:`fsdp_interactive._status_line.StatusLines`): in a terminal, and in a notebook,
-whose front ends rewrite a stream's line the same way. Each finished step becomes an
-ordinary line (``recovery: replayed In[2] in 0.41 s``), which replaces the moving one.
+under way is one line, rewritten as the recovery moves on, where a pool start shows its
+phases (:func:`._start_progress.phase_line`): a display updated in place in a Jupyter
+kernel, the last line of stdout rewritten with a carriage return elsewhere; it ends
+showing how the recovery ended. Each finished step is an ordinary line of stdout
+(``recovery: replayed In[2] in 0.41 s``). With ``IPP_NONINTERACTIVE`` set (a batch run)
+the phases are not shown; the finished steps are.
 
 Given a ``say`` (``Pool.recover(say=...)``, the Snapshots panel's status line), every
 line, the phases' too, goes to it instead, in order.
 
-Faults: nothing here talks to the ranks; a recovery that fails ends its moving line
+Faults: nothing here talks to the ranks; a recovery that fails ends its line
 (:meth:`RecoveryProgress.close`) before its error is shown.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
-from fsdp_interactive._status_line import StatusLines
-
-_KEY = "recovery"
+from fsdp_interactive.pool._start_progress import interactive, phase_line
 
 
 class RecoveryProgress:
@@ -30,19 +29,20 @@ class RecoveryProgress:
 
     def __init__(self, say: Callable[[str], None] | None = None) -> None:
         self._say = say
-        self._status = StatusLines(lambda _: sys.stdout) if say is None else None
-        self._phase_began = time.monotonic()
+        self._line = phase_line() if say is None and interactive() else None
+        self._began = self._phase_began = time.monotonic()
+        self._phase = ""
 
     def phase(self, what: str) -> None:
         """The recovery now waits for ``what`` (``ending the old group``): shown at once,
         in place of the phase before."""
         self._phase_began = time.monotonic()
+        self._phase = what
         line = f"recovery: {what} ..."
-        if self._status is None:
-            assert self._say is not None
+        if self._say is not None:
             self._say(line)
-        else:
-            self._status.update(_KEY, "stdout", line)
+        elif self._line is not None:
+            self._line.show(line)
 
     def seconds(self) -> float:
         """Seconds since the current phase began."""
@@ -50,17 +50,18 @@ class RecoveryProgress:
 
     def done(self, what: str) -> None:
         """A finished step (``replayed In[2] in 0.41 s``), as an ordinary line."""
-        self.line(f"recovery: {what}")
-
-    def line(self, text: str) -> None:
-        """An ordinary line (the report), after the moving one is taken away."""
-        if self._status is None:
-            assert self._say is not None
-            self._say(text)
+        line = f"recovery: {what}"
+        if self._say is not None:
+            self._say(line)
+        elif self._line is not None:
+            self._line.notice(line, "stdout")
         else:
-            self._status.end(_KEY, "stdout", text)
+            print(line, flush=True)
 
-    def close(self) -> None:
-        """Take the moving line away (the recovery ended, or failed)."""
-        if self._status is not None:
-            self._status.end(_KEY, "stdout", None)
+    def close(self, ended: bool) -> None:
+        """The recovery ended (``ended``) or failed: the phase line says so."""
+        if self._line is None or not self._phase:
+            return
+        total = time.monotonic() - self._began
+        how = "ended" if ended else f"failed while {self._phase}"
+        self._line.end(f"recovery: {how} after {total:.1f} s")
