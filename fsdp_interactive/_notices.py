@@ -1,4 +1,5 @@
-"""What a rank tells the notebook without being asked, and which notebook call it runs.
+"""What a rank tells the notebook without being asked, which notebook call it runs, and
+whether a recovery would bind a name again.
 
 Rank side, a leaf (standard library only): code of any layer can publish a notice (a small
 dict of plain data, such as a snapshot's record) and read the id of the notebook call it
@@ -6,8 +7,14 @@ runs in, without knowing how the pool carries either. The pool's engine hooks in
 sink, which sends notices to the kernel over the rank's diagnostics channel, and set the
 current call for the duration of each call.
 
+The pool's engine hooks also install a *judge* (:func:`set_judge`) that knows how each
+name of the namespace was bound (which notebook call, replayable or not), so that a
+snapshot can refuse to record a variable a recovery would not bind again
+(:func:`unreplayed`).
+
 Outside a pool (a plain torchrun job, a test) there is no sink: notices are dropped and the
-current call is ``None``. A sink that fails drops the notice; publishing never raises.
+current call is ``None``; nobody judges names. A sink that fails drops the notice;
+publishing never raises.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ _lock = threading.Lock()
 _sink: Callable[[Notice], None] | None = None
 _current_call: int | None = None
 _replaying = False
+_judge: Callable[[str, Any, Any], str | None] | None = None
 
 
 def current_call() -> int | None:
@@ -68,3 +76,24 @@ def publish(notice: Notice) -> None:
         sink(notice)
     except Exception as error:  # the kernel may be gone; the rank's work goes on
         log.debug("notice %r not delivered: %s", notice.get("kind"), error)
+
+
+def set_judge(judge: Callable[[str, Any, Any], str | None] | None) -> None:
+    """Install what :func:`unreplayed` asks (``None``: nobody judges)."""
+    global _judge
+    _judge = judge
+
+
+def unreplayed(name: str, value: Any, namespace: Any) -> str | None:
+    """Why a recovery would not bind ``name`` of ``namespace`` to an object like ``value``
+    (what it holds now) again, in words for the user; ``None`` when it would, or when
+    nobody can tell (outside a pool, or a namespace that is not the notebook's, such as a
+    running script's globals)."""
+    judge = _judge
+    if judge is None:
+        return None
+    try:
+        return judge(name, value, namespace)
+    except Exception as error:  # a judge that fails judges nothing
+        log.debug("could not judge %r: %s", name, error)
+        return None

@@ -1,5 +1,6 @@
 """Plain-text formatting shared by every layer: byte sizes, numbers, fixed-width tables,
-long lists cut short, and the close matches of a name that does not exist.
+long lists cut short, the close matches of a name that does not exist, the objects a
+snapshot holds, and how a notebook call is named.
 
 A leaf module: it imports nothing from the package, so the notebook views, the demo and
 the command line can all use it without depending on one another.
@@ -89,3 +90,30 @@ def did_you_mean(name: str, candidates: Iterable[str], count: int = 3) -> str:
         return ""
     names = found[0] if len(found) == 1 else ", ".join(found[:-1]) + " or " + found[-1]
     return f"did you mean {names}?"
+
+
+def snapshot_objects(names: Any) -> str:
+    """The objects a snapshot holds, by where they were (a snapshot record's ``names``):
+    ``model, optim, sched`` (a stateful keyword shown as ``keyword=where`` when its
+    variable has another name; ``?`` for an object found nowhere)."""
+    names = names if isinstance(names, dict) else {}
+    shown = [str(names.get("model") or "?")]
+    if names.get("optimizer"):
+        shown.append(str(names["optimizer"]))
+    for keyword, where in (names.get("stateful") or {}).items():
+        shown.append(str(keyword) if where == keyword else f"{keyword}={where or '?'}")
+    return ", ".join(shown)
+
+
+def first_line(text: str, width: int = 48) -> str:
+    """The first non-blank line of ``text``, stripped, cut to ``width`` with ``...``."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def call_label(call: int | None, cell: int | None, code: str) -> str:
+    """How a notebook call is named to the user: ``In[12]`` for notebook cell 12, else the
+    call's number and its first line, ``call 7 "train(0, 2)"``."""
+    if cell is not None:
+        return f"In[{cell}]"
+    return f'call {call} "{first_line(code, 40)}"'

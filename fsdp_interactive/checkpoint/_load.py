@@ -45,6 +45,7 @@ from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._text import first_few
 from fsdp_interactive._torch_compat import ShardedTensor, set_element
 from fsdp_interactive.checkpoint import _manifest, _owner_seal, _state, _stateful
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._handle import INFLIGHT
 from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
 from fsdp_interactive.checkpoint._safe_reader import (
@@ -460,6 +461,7 @@ def load(
     )
 
 
+@quietly
 def load_with_state(
     path: str | os.PathLike,
     model: nn.Module,

@@ -38,8 +38,9 @@ class SnapshotError(CheckpointError):
 class SnapshotObjectsError(SnapshotError):
     """The objects a snapshot holds cannot all be found where it recorded them (a
     variable, or an attribute path such as ``trainer.optimizer``): when it is taken, an
-    object that is neither a variable nor an attribute of one; when it is restored, a name
-    that is not defined, an attribute that is ``None``, or an object of the wrong kind.
+    object that is neither a variable nor an attribute of one, or (in a pool) one held only
+    by a variable a recovery would not bind again; when it is restored, a name that is not
+    defined, an attribute that is ``None``, or an object of the wrong kind.
 
     ``missing`` lists the keywords (``"model"``, ``"optimizer"``, stateful keywords)
     concerned. Nothing was written or loaded.
@@ -51,6 +52,12 @@ class SnapshotObjectsError(SnapshotError):
 
     def __reduce__(self) -> tuple:  # keeps ``missing`` across ranks (all_gather pickles)
         return (type(self), (str(self), self.missing))
+
+
+class SnapshotLocationWarning(UserWarning):
+    """A snapshot recorded an object at another location than the one it was given, since
+    a recovery would not bind the given variable again (the message says why and where
+    it recorded the object instead)."""
 
 
 class SnapshotSpaceError(SnapshotError):

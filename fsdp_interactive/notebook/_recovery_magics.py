@@ -107,7 +107,7 @@ class RecoveryMagics:
         except SnapshotCallFailed as error:
             hint = "; check the names with %%fsdp print(dir())" if error.undefined_name else ""
             raise UsageError(f"%fsdp snapshot: {error}{hint}") from None
-        print(f"took {taken.describe() if not isinstance(taken, str) else 'snapshot ' + taken}")
+        print(taken.taken_line() if not isinstance(taken, str) else f"took snapshot {taken}")
         if args.persist is not None:
             self._persist(pool, taken if isinstance(taken, str) else taken.id, args.persist)
 
@@ -144,7 +144,7 @@ class RecoveryMagics:
         snapshots = self.pool.snapshots()
         print(self.pool.journal.table(last=args.last))
         if snapshots:
-            print("\nsnapshots: " + "; ".join(s.describe() for s in snapshots))
+            print("\nsnapshots: " + "; ".join(f"{s.describe()}: {s.holding}" for s in snapshots))
         if snapshots and self.pool.state != "stopped":
             print("\nwhat %fsdp recover would do now:")
             try:  # its checks may refuse (a snapshot no host holds): the journal still shows

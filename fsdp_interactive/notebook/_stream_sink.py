@@ -21,17 +21,42 @@ Where the moving lines and bars are drawn is :mod:`._live_output`'s choice: disp
 updated in place in a Jupyter kernel, the stream's last line elsewhere. Lines are shown
 once complete; a partial line without a carriage return waits for its end (or for the
 end of the cell).
+
+A cell cut short (a rank died, the ranks were interrupted, or the pool recovered by
+itself) ends its open bars and moving lines marked as cut (:func:`cut_note`): a bar turns
+red and says why, and, after an automatic recovery, the step it went back to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fsdp_interactive._bar_state import BarState, bar_of
 from fsdp_interactive._lines import LineBuffer
 from fsdp_interactive.notebook._cell_output import StderrLines
 from fsdp_interactive.notebook._live_output import LiveOutput, live_output
-from fsdp_interactive.pool import HangNotice, RankDisplay
+from fsdp_interactive.pool import HangNotice, RankDied, RankDisplay, RankInterrupted
+
+
+def cut_note(error: BaseException | None) -> str | None:
+    """Why a cell's bars stopped where they are, for a cell that ``error`` cut short:
+    ``cut: rank 1 died; recovered to step 40``; ``None`` for an error that leaves the
+    ranks running (a timeout, a rank's exception)."""
+    recovered = bool(getattr(error, "was_recovered", False))
+    if isinstance(error, RankDied):
+        ranks = ", ".join(map(str, error.ranks))
+        why = f"rank{'s' if len(error.ranks) > 1 else ''} {ranks} died"
+    elif isinstance(error, RankInterrupted):
+        why = "interrupted"
+    elif recovered:
+        why = "the ranks were ended"
+    else:
+        return None
+    if recovered:
+        step = getattr(error, "recovered_step", None)
+        why += "; recovered" + (f" to step {step}" if step is not None else "")
+    return f"cut: {why}"
 
 
 class StreamSink:
@@ -184,9 +209,31 @@ class StreamSink:
     def bars(self, rank: int) -> list[BarState]:
         return list(self._bars.get(rank, {}).values())
 
-    def flush(self) -> None:
+    def _cut_bars(self, note: str) -> None:
+        """End every open bar as cut, red, saying ``note``."""
+        for rank, bars in self._bars.items():
+            for display_id, state in list(bars.items()):
+                if state.closed:
+                    continue
+                cut = dataclasses.replace(
+                    state,
+                    style="danger",
+                    closed=True,
+                    leave=True,
+                    right=f"{state.right} [{note}]",
+                    text=f"{state.text} [{note}]",
+                )
+                bars[display_id] = cut
+                if self.live and self._shows_all_of(rank):
+                    tag = f"[rank {rank}] " if self.all_ranks else ""
+                    self.output.bar((rank, "bar", display_id), tag, cut)
+
+    def flush(self, error: BaseException | None = None) -> None:
         """The cell ended: end partial lines, moving lines and open bars, in their last
-        state."""
+        state; marked as cut when ``error`` (what the cell raised) cut it short."""
+        note = cut_note(error)
+        if note is not None:
+            self._cut_bars(note)
         if not self.live:
             return
         for key in sorted(self._line_buffers):
@@ -195,6 +242,8 @@ class StreamSink:
             if key in self._moving:
                 self._moving.discard(key)
                 text = self._tag(rank, name) + line.text if line is not None else None
+                if text is not None and note is not None:
+                    text += f"  [{note}]"
                 self.output.end_line((rank, "line", name), name, text)
             elif line is not None and line.rewritten:
                 if self._shows_all_of(rank):

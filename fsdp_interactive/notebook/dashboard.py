@@ -34,7 +34,8 @@ class Dashboard(View):
     The "Ranks" tab starts with the pool's state (``health``, from ``pool.check()``): a
     rank that died, also between cells, is found by every refresh and shown there with
     its host and signal and what to type; the parts then keep what they last showed
-    (their probes need every rank) until a recovery or a restart.
+    (their probes need every rank) until a recovery or a restart. Every recovery that
+    succeeds (its own Recover button, ``%fsdp recover``, or by itself) refreshes it.
     """
 
     def __init__(
@@ -54,6 +55,10 @@ class Dashboard(View):
         self.snapshots = SnapshotPanel(source)
         self.monitor = monitor
         self.checkpoints = checkpoints
+        source.pool.when_recovered(self._after_recovery)
+
+    def _after_recovery(self, report: Any) -> None:
+        self.refresh()
 
     def refresh(self) -> None:
         """Ask the ranks again: the pool's health, every rank's memory and each tab's view."""

@@ -559,7 +559,7 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
                 self.shell.user_ns[args.out] = error
             raise shown_as_message(error, args.out) from None
         except pool_failures() as error:
-            sink.flush()
+            sink.flush(error)
             if isinstance(error, rank_error_class()):
                 self._last_failed_rank = min(error.ranks)
             show_outputs(outputs_of(sink, None, ranks), args.group_outputs, streamed=stream)

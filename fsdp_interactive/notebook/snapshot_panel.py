@@ -6,8 +6,10 @@ asks no rank; after a fault it still shows what a recovery can go back to. Each 
 is shown with the cell it was taken in (``In[3]``), or, for one taken between cells (this
 panel, ``%fsdp snapshot`` in a cell of its own is ``In[N]`` too), the cell it follows.
 
-Snapshot now runs ``fsdp_interactive.snapshot`` on every rank for the panel's model and
-optimizer, at the step typed in the step field or, when it is empty, at the training's own
+Each snapshot is listed with the objects it holds (where they were). Snapshot now runs
+``fsdp_interactive.snapshot`` on every rank for the panel's model and optimizer (with
+``keep_last``, which counts snapshots of these objects only: one of another model is never
+dropped for it; its status line names any snapshot it dropped), at the step typed in the step field or, when it is empty, at the training's own
 step: the :class:`~fsdp_interactive.checkpoint.StepCounter` the newest snapshot kept, or
 the one step counter the ranks hold (given as ``step=``, so its value is recorded and a
 recovery restores it in place); without either, no step is recorded (never a made-up 0).
@@ -31,7 +33,7 @@ from fsdp_interactive.notebook._snapshot_calls import take_snapshot
 from fsdp_interactive.notebook._view import StatusView
 from fsdp_interactive.notebook.rank_model import RankModel
 
-_HEADERS = ("snapshot", "step", "age", "taken in", "memory per host")
+_HEADERS = ("snapshot", "step", "holds", "age", "taken in", "memory per host")
 #: The rank-side expression listing the step counters of the namespace (rank 0's).
 _COUNTERS = (
     "sorted(k for k, v in globals().items() if not k.startswith('_') "
@@ -100,7 +102,7 @@ class SnapshotPanel(StatusView):
             keep_last=self.keep_last,
             shown="Snapshot now (snapshot panel)",
         )
-        self.status = f"took {taken if isinstance(taken, str) else taken.describe()}"
+        self.status = taken.taken_line() if not isinstance(taken, str) else f"took {taken}"
         self.refresh()
         return taken
 
@@ -144,6 +146,7 @@ class SnapshotPanel(StatusView):
                 (
                     info.id,
                     "-" if info.step is None else str(info.step),
+                    info.holding,
                     info.describe(now).rsplit("(taken ", 1)[-1].removesuffix(")"),
                     self._taken_in(info.call),
                     human_bytes(per_host) if per_host else "-",

@@ -8,17 +8,23 @@ lists what the kernel heard of (:mod:`._snapshots`).
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsdp_interactive.pool._recovery import RecoveryPlan, RecoveryReport, execute, make_plan
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
 from fsdp_interactive.pool._state import PoolHealth, PoolState
-from fsdp_interactive.pool.errors import START, PoolNotRunning
+from fsdp_interactive.pool.errors import START, PoolNotRunning, RecoveryError
 
 if TYPE_CHECKING:
     from fsdp_interactive.pool._faults import PoolFaults
+
+log = logging.getLogger(__name__)
 
 
 def _print(line: str) -> None:
@@ -69,14 +75,43 @@ class FaultCalls:
         shown = say or _print
         with self._faults.recovering():
             self._faults.notice()  # a rank dead since the last call: no check asks the ranks
-            plan = make_plan(self, from_, world)
+            try:
+                plan = make_plan(self, from_, world)
+            except RecoveryError as refused:
+                planned = getattr(refused, "plan", None)
+                if dry_run and planned is not None:
+                    shown(str(planned))
+                raise
             if dry_run:
                 shown(str(plan))
                 return plan
-            report = execute(self, plan, say=shown)
-        self._faults.lost_hosts = []
-        shown(str(report))
+            report = execute(self, plan, RecoveryProgress(say))
+            self._faults.lost_hosts = []
+            shown(str(report))
+            self._recovered(report)
         return report
+
+    def when_recovered(self, callback: Callable[[RecoveryReport], None]) -> None:
+        """Call ``callback(report)`` after every recovery that succeeds (by
+        :meth:`recover`, or by itself with ``recover="auto"``): what a view of the ranks
+        refreshes on. A bound method is held weakly (a view that is gone is not called);
+        a callback that raises is logged and does not fail the recovery."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        held = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda: callback)
+        self.__dict__.setdefault("_recovery_watchers", []).append(held)
+
+    def _recovered(self, report: RecoveryReport) -> None:
+        watchers = self.__dict__.get("_recovery_watchers", [])
+        watchers[:] = [held for held in watchers if held() is not None]
+        for held in list(watchers):
+            callback = held()
+            if callback is None:
+                continue
+            try:
+                callback(report)
+            except Exception as error:
+                log.warning("a callback after the recovery failed: %s", error)
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The snapshots the kernel heard of, oldest first (see :mod:`._snapshots`)."""

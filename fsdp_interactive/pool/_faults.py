@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 from fsdp_interactive.pool._journal import JournalEntry, outcome_of
 from fsdp_interactive.pool._recovery import execute, make_plan
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.errors import (
     RECOVER,
@@ -119,8 +120,9 @@ class PoolFaults:
         self._unshown_forker_deaths = []
         if self._unreported and self.death is not None:
             self._unreported = False
-            self.death.add_head_line("This call did not run.")
-            raise self.death
+            # A copy says so: the death itself, as Pool.check() and %fsdp status show it,
+            # is about no call.
+            raise self.death.with_head_line("This call did not run.")
 
     def _wedged_or_dead(self, error: BaseException) -> bool:
         if isinstance(error, RankDied):
@@ -148,7 +150,7 @@ class PoolFaults:
         _say(f"{what}; recovering to the last snapshot by itself (recover auto)")
         try:
             with self.recovering():
-                report = execute(pool, make_plan(pool, None, None), say=_say)
+                report = execute(pool, make_plan(pool, None, None), RecoveryProgress())
         except Exception as failure:
             # Its own advice is in API words; the error's advice stays what to do.
             error.recovery_failed(
@@ -156,7 +158,9 @@ class PoolFaults:
             )
             return
         self.lost_hosts = []
-        error.recovered(report.summary())
+        error.recovered("\n".join([report.summary(), *report.names_lines()]), report.step)
+        with self.recovering():  # what the views refresh never recovers again by itself
+            pool._recovered(report)
 
     @contextlib.contextmanager
     def recovering(self) -> Iterator[None]:

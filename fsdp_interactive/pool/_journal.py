@@ -6,9 +6,9 @@ cell number, targets, outcome, duration, whether it may be replayed (``%%fsdp
 --no-replay`` says never, ``%%fsdp --replay`` always, by default the recovery's slice
 decides, :mod:`._slice`), the snapshots taken while it ran, and what the ranks saw it do
 (names it rebound or reshaped where its code does not say so, the random generators at its
-start and end: :meth:`Journal.note_cell`, from the notice each rank sends after the cell,
-:mod:`.rank._cell_watch`). Calls the package makes for itself (probes, panels) are not
-entries.
+start and end, its parameter initialization calls: :meth:`Journal.note_cell`, from the
+notice each rank sends after the cell, :mod:`.rank._cell_watch`). Calls the package makes
+for itself (probes, panels) are not entries.
 
 Entries belong to an *epoch*: the life of one process group. ``restart()`` starts an
 epoch with nothing behind it (an empty group); a recovery to snapshot ``S`` starts an
@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_interactive._text import text_table
+from fsdp_interactive._text import call_label, first_line, text_table
 from fsdp_interactive.pool._cell_effects import CellEffects, effects_of
 from fsdp_interactive.pool._generator_states import GeneratorStates
 from fsdp_interactive.pool._script_record import ScriptRecord
@@ -90,6 +90,11 @@ class JournalEntry:
     #: ``"local"`` (``%%fsdp --local``: it also ran in the kernel), ``"train"``
     #: (``%%fsdp --export train``: an export's training cell).
     marks: set[str] = field(default_factory=set)
+    #: Each rank's parameter initialization calls, in order: ``(function, shape,
+    #: locations of the objects holding the tensor when the call ended)``.
+    inits: dict[int, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = field(
+        default_factory=dict
+    )
 
     @property
     def replayable(self) -> bool:
@@ -103,13 +108,11 @@ class JournalEntry:
 
     @property
     def label(self) -> str:
-        """``In[12]`` for a cell, ``call 7`` otherwise."""
-        return f"In[{self.cell}]" if self.cell is not None else f"call {self.id}"
+        """``In[12]`` for a cell, else its number and first line: ``call 7 "train(0, 2)"``."""
+        return call_label(self.id, self.cell, self.source if self.shown is None else self.shown)
 
     def first_line(self, width: int = 48) -> str:
-        text = self.source if self.shown is None else self.shown
-        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-        return line if len(line) <= width else line[: width - 3] + "..."
+        return first_line(self.source if self.shown is None else self.shown, width)
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,9 @@ class Journal:
         self.pushes: list[Push] = []
         #: Changes of the ranks' state made outside journaled calls (:meth:`note_outside`).
         self.outside: list[OutsideChange] = []
+        #: The public names rank 0's namespace held after the last call it reported (what
+        #: a recovery's report compares with what it brought back).
+        self.names: set[str] = set()
 
     @property
     def epoch(self) -> Epoch:
@@ -227,6 +233,14 @@ class Journal:
         rank = notice.get("rank")
         if isinstance(rank, int) and entry.replay is not False:
             self.generators.note(entry.id, rank, notice)
+            inits = notice.get("inits")
+            if isinstance(inits, list):
+                entry.inits[rank] = [
+                    (str(f), tuple(int(n) for n in shape), tuple(str(w) for w in where))
+                    for f, shape, where in inits
+                ]
+        if rank == 0 and isinstance(notice.get("names"), list):
+            self.names = {str(n) for n in notice["names"]}
 
     def note_push(self, values: Mapping[str, Any], targets: Sequence[int] | None) -> Push:
         """Record values just pushed to ``targets`` (``None``: every rank), copied now."""

@@ -570,7 +570,9 @@ class Pool(FaultCalls, DebuggingCalls):
         started = time.monotonic()
         # The call and cell numbers travel in the code's own request: one message per rank.
         call = entry.id if entry is not None else None
-        sent = _engine_shell.mark_call(code, call, cell, replaying=replaying, replayed=replayed)
+        sent = _engine_shell.mark_call(
+            code, call, cell, replaying=replaying, replayed=replayed, kept_out=replay is False
+        )
         # Streamed: every message watched from the first, none lost to a late subscription.
         handles = send_requests(
             views, lambda _, view: view.execute(sent, block=False, silent=False), watched=stream

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,24 +51,36 @@ from fsdp_interactive.pool._journal import JournalEntry
 from fsdp_interactive.pool._recovery_checks import (
     FROM_FOLDER,
     TAKE_SNAPSHOT,
+    check_findable,
     check_folder,
     check_snapshot,
     check_world,
 )
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
+from fsdp_interactive.pool._recovery_report import (
+    RecoveryReport,
+    calls_text,
+    lost_names,
+    rebuilt_names,
+)
 from fsdp_interactive.pool._script_record import replay_refusal
-from fsdp_interactive.pool._slice import ReplaySlice, slice_for
+from fsdp_interactive.pool._slice import Part, ReplaySlice, beside, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
-from fsdp_interactive.pool.errors import RecoveryError
+from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
 from fsdp_interactive.pool.rank._snapshot_calls import restore_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
 
+#: After a restore that found its objects missing: the group is empty, so what works is
+#: building them again and taking a new snapshot (recovering again would fail the same way).
+REBUILD = Step(
+    "run the cells that build them again, then take a new snapshot with {}",
+    "fsdp_interactive.snapshot(model=..., optimizer=...)",
+    "%fsdp snapshot MODEL OPTIMIZER",
+)
+
 log = logging.getLogger(__name__)
-
-
-def _calls(count: int) -> str:
-    return f"{count} call" if count == 1 else f"{count} calls"
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,8 @@ class RecoveryPlan:
     pinned: bool = False
     #: Every candidate entry's part in the replay, and why.
     sliced: ReplaySlice = field(default_factory=ReplaySlice)
+    #: The journal's other entries since the snapshot's epoch, and why none is replayed.
+    beside: tuple[Part, ...] = ()
 
     @property
     def target(self) -> str:
@@ -96,65 +110,16 @@ class RecoveryPlan:
 
     def lines(self) -> list[str]:
         cells = ", ".join(e.label for e in self.replay) or "none"
-        lines = [f"recover to the {self.target}", f"replay {_calls(len(self.replay))}: {cells}"]
-        lines += [f"  {line}" for line in self.sliced.lines()]
+        lines = [
+            f"recover to the {self.target}",
+            f"replay {calls_text(len(self.replay))}: {cells}",
+        ]
+        parts = sorted([*self.sliced.parts, *self.beside], key=lambda part: part.entry.id)
+        lines += [f"  {part.line()}" for part in parts]
         if self.dropped_hosts:
             lines.append(f"without hosts {', '.join(self.dropped_hosts)} (lost)")
         if self.world_size is not None:
             lines.append(f"on {self.world_size} ranks")
-        return lines
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What a recovery did: the ``plan``, the snapshot it went back to (``snapshot``; may
-    differ from the plan's when a newer one was found or the planned one was refused),
-    the calls it ``replayed``, the new ``world_size``, the seconds of each phase and the
-    ranks' own restore report (``restored``: rank 0's)."""
-
-    plan: RecoveryPlan
-    snapshot: SnapshotInfo | None
-    replayed: tuple[JournalEntry, ...]
-    world_size: int
-    phases: Mapping[str, float] = field(default_factory=dict)
-    restored: Any = None
-    refused: tuple[str, ...] = ()
-    #: What the replay did beyond running the entries (:class:`~._replay.ReplayOutcome`).
-    replay_outcome: _replay.ReplayOutcome | None = None
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
-
-    def summary(self) -> str:
-        """``recovered to the snapshot s000004 of step 40 (taken 12 s ago) in 4.1 s``."""
-        target = self.plan.target if self.snapshot is None else self.snapshot.describe()
-        return f"recovered to the {target} in {self.seconds:.1f} s"
-
-    def lines(self) -> list[str]:
-        cells = ", ".join(e.label for e in self.replayed) or "none"
-        phases = ", ".join(f"{name} {secs:.2f} s" for name, secs in self.phases.items())
-        lines = [
-            self.summary(),
-            f"{self.world_size} ranks; replayed {_calls(len(self.replayed))}: {cells}",
-            f"phases: {phases}",
-        ]
-        outcome = self.replay_outcome
-        if outcome is not None and outcome.skipped_inits:
-            lines.append(
-                f"replay: {outcome.skipped_inits} parameter initializations skipped (the "
-                f"snapshot overwrites them), {outcome.run_inits} run"
-            )
-        if outcome is not None:
-            lines += [
-                f"replay: {label} ran without rank(s) {', '.join(map(str, ranks))}'s original "
-                "random generators (their report was lost with the rank)"
-                for label, ranks in outcome.without_generators
-            ]
-        lines += [f"refused: {reason}" for reason in self.refused]
         return lines
 
     def __str__(self) -> str:
@@ -200,7 +165,22 @@ def make_plan(
     sliced = slice_for(journal.replay_for(snapshot.call), snapshot.names)
     taken_in = journal.entry(snapshot.call) if snapshot.call is not None else None
     _check_script_replays(sliced, taken_in, world, dropped, snapshot.describe())
-    return RecoveryPlan(snapshot, None, sliced.replay, world, dropped, from_ is not None, sliced)
+    plan = RecoveryPlan(
+        snapshot,
+        None,
+        sliced.replay,
+        world,
+        dropped,
+        from_ is not None,
+        sliced,
+        tuple(beside(journal.entries, sliced, snapshot.call, journal.epoch.number)),
+    )
+    try:
+        check_findable(journal, book, snapshot, sliced)
+    except RecoveryError as refused:
+        refused.plan = plan  # a dry run shows it with the refusal
+        raise
+    return plan
 
 
 def _check_script_replays(
@@ -217,8 +197,19 @@ def _check_script_replays(
         raise RecoveryError(f"cannot recover to the {target}: {why}; nothing was changed")
 
 
-def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> RecoveryReport:
-    """Carry ``plan`` out on ``pool`` (see the module's docstring); ``say`` shows progress."""
+def execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:
+    """Carry ``plan`` out on ``pool`` (see the module's docstring), showing each phase on
+    ``progress`` from its first moment."""
+    try:
+        report = _execute(pool, plan, progress)
+    except BaseException:
+        progress.close(ended=False)
+        raise
+    progress.close(ended=True)
+    return report
+
+
+def _execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:
     phases: dict[str, float] = {}
     began = time.monotonic()
 
@@ -228,13 +219,24 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
         phases[name] = phases.get(name, 0.0) + now - began
         began = now
 
+    def fresh_group(drop_hosts: Sequence[str]) -> None:
+        progress.phase("ending the old group")
+        end_group(pool)
+        lap("end")
+        ranks = plan.world_size or pool._request.n
+        progress.phase(
+            f"starting a fresh group of {ranks} ranks" if ranks else "starting a fresh group"
+        )
+        start_group(pool, world=plan.world_size, drop_hosts=drop_hosts)
+        lap("start")
+        progress.done(
+            f"a fresh group of {pool.world_size} ranks is up ({progress.seconds():.1f} s)"
+        )
+
     if plan.snapshot is not None:
         pool._processes.forkers.precheck(plan.snapshot.id)
-    end_group(pool)
-    lap("end")
-    start_group(pool, world=plan.world_size, drop_hosts=plan.dropped_hosts)
-    lap("start")
-    say(f"recovery: a fresh group of {pool.world_size} ranks is up")
+    fresh_group(plan.dropped_hosts)
+    progress.phase("finding the snapshots the hosts hold")
     candidates = _candidates(pool, plan)
     lap("find")
     refused: list[str] = []
@@ -245,24 +247,39 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             else slice_for(pool.journal.replay_for(target.call if target else None), target.names)
         )
         if attempt:
-            end_group(pool)
-            start_group(pool, world=plan.world_size, drop_hosts=())
-            lap("start")
+            fresh_group(())
         names = None if target is None else target.names
-        outcome = _replay_slice(pool, sliced, _replay.restored_locations(names), say)
+        locations = _replay.restored_locations(names)
+        held_at = () if target is None else target.held_at
+        again = ""
+        try:
+            outcome = _replay_slice(pool, sliced, locations, progress, held_at=held_at)
+        except _replay.InitsLeftUnset as unset:
+            # Never a success over uninitialized memory: the slow way, every draw made.
+            again = str(unset)
+            progress.done(f"{unset}; replaying again with every initialization run")
+            lap("replay")
+            fresh_group(())
+            outcome = _replay_slice(pool, sliced, locations, progress, skip_inits=False)
         lap("replay")
         source = plan.checkpoint if target is None else target.id
+        progress.phase(f"loading {source}")
         try:
             restored = _restore(pool, source)
         except _Refused as refusal:
             refused.append(f"{source}: {refusal}")
             older = candidates[attempt + 1] if attempt + 1 < len(candidates) else None
             tried = f"; trying the older snapshot {older.id}" if older is not None else ""
-            say(f"recovery: {source} refused ({refusal}){tried}")
+            progress.done(f"{source} refused ({refusal}){tried}")
             lap("restore")
             continue
         lap("restore")
-        pool.journal.set_base(sliced.replay, None if target is None else target.id)
+        journal = pool.journal
+        journal.set_base(sliced.replay, None if target is None else target.id)
+        after = set(restored.pop("defined", ()))
+        call = None if target is None else target.call
+        lost = lost_names(journal.names, after, journal.entries, sliced, call)
+        journal.names = after
         return RecoveryReport(
             plan,
             target,
@@ -272,6 +289,9 @@ def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> Recov
             restored,
             tuple(refused),
             outcome,
+            rebuilt_names(after, restored.get("names") or {}),
+            lost,
+            again,
         )
     _fresh_group(pool)
     raise RecoveryError(
@@ -301,12 +321,20 @@ def _candidates(pool: Pool, plan: RecoveryPlan) -> list[SnapshotInfo | None]:
     return [newest, *older]
 
 
-def _replay_slice(
-    pool: Pool, sliced: ReplaySlice, restored: Sequence[str], say: Callable[[str], None]
-) -> _replay.ReplayOutcome:
-    """The replay phase (:mod:`._replay`); the first failure ends the recovery."""
+def _replay_slice(pool: Pool, *args: Any, **options: Any) -> _replay.ReplayOutcome:
+    """The replay phase (:func:`._replay.replay`, given ``args`` and ``options``); the first
+    failure ends the recovery (:class:`~._replay.InitsLeftUnset` is the caller's, unless
+    the replay was asked to skip no initialization)."""
     try:
-        return _replay.replay(pool, sliced, restored, say)
+        return _replay.replay(pool, *args, **options)
+    except _replay.InitsLeftUnset:
+        if options.get("skip_inits", True):
+            raise
+        _fresh_group(pool)
+        raise RecoveryError(
+            "the replay left parameters uninitialized although it skipped no "
+            "initialization, so the recovery stopped; the pool runs a fresh, empty group"
+        ) from None
     except _replay.ReplayFailed as failed:
         _fresh_group(pool)
         error = failed.error
@@ -349,7 +377,9 @@ def _restore(pool: Pool, source: str | None) -> Any:
             _fresh_group(pool)
             raise RecoveryError(
                 f"the replayed cells did not put back every object {source} restores into, "
-                f"so nothing was restored and the pool runs a fresh, empty group: {first}"
+                f"so nothing was restored and the pool runs a fresh, empty group: {first}",
+                REBUILD,
+                RESTART,
             ) from None
         if names & set(_REFUSALS):
             first = error.errors[min(error.errors)]

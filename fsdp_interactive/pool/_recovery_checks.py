@@ -24,6 +24,13 @@ A snapshot named by id is not compared with the live objects: its recovery repla
 cells before the one that took it, which build the objects it was taken of, whatever the
 names hold now.
 
+In the kernel, on the plan (:func:`check_findable`): every variable the snapshot restores
+into (the root of each recorded location) is bound by a call the replay runs. One that
+only a ``--no-replay`` cell, the cell that took the snapshot, a later cell or
+``Pool.push`` bound would not be there after the replay, and the restore would fail after
+the group was replaced: refused before anything ends, naming who binds it and an older
+snapshot that a recovery can restore, if there is one.
+
 Faults: the checks only read; a rank that dies while they ask raises ``RankDied`` with
 the pool broken as it would be anyway.
 """
@@ -35,8 +42,10 @@ import os
 from typing import Any
 
 from fsdp_interactive import _private_files
-from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
-from fsdp_interactive.pool.errors import RecoveryError, Step
+from fsdp_interactive.pool._journal import Journal
+from fsdp_interactive.pool._slice import ReplaySlice, roots_of, slice_for
+from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo, held_snapshots
+from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
 from fsdp_interactive.pool.rank._snapshot_calls import check_folder_source
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
@@ -141,3 +150,77 @@ def check_snapshot(pool: Pool, snapshot: SnapshotInfo, *, pinned: bool) -> None:
             f"which is gone); {_UNCHANGED}",
             TAKE_SNAPSHOT,
         )
+
+
+def _unfound(journal: Journal, snapshot: SnapshotInfo, sliced: ReplaySlice) -> list[str]:
+    """Each variable ``snapshot`` restores into that no entry of ``sliced``'s replay binds,
+    with who binds it and why that is not replayed."""
+    roots = roots_of(snapshot.names) or {}
+    problems = []
+    for root, what in roots.items():
+        if sliced.defines(root):
+            continue
+        binder = next(
+            (
+                e
+                for e in reversed(journal.entries)
+                if e.outcome != "running" and (root in e.effects.defines or root in e.rebound)
+            ),
+            None,
+        )
+        if binder is None:
+            why = (
+                "no %%fsdp cell or Pool.run call binds it (Pool.push, %fsdp push or Pool.call did)"
+            )
+        elif binder.id == snapshot.call:
+            why = f"only {binder.label}, the call that took the snapshot, binds it"
+        elif snapshot.call is not None and binder.id > snapshot.call:
+            why = f"only {binder.label}, after the snapshot was taken, binds it"
+        elif binder.replay is False:
+            why = f"only {binder.label} binds it, and {binder.label} is marked --no-replay"
+        elif binder.outcome != "ok":
+            why = f"only {binder.label} binds it, and it ended with {binder.outcome}"
+        else:
+            why = f"{binder.label} binds it, but not among the calls the replay runs"
+        problems.append(f"{root!r} ({what}): {why}")
+    return problems
+
+
+def check_findable(
+    journal: Journal, book: SnapshotBook, snapshot: SnapshotInfo, sliced: ReplaySlice
+) -> None:
+    """Refuse (:class:`RecoveryError`, nothing changed) a recovery to ``snapshot`` whose
+    replay (``sliced``) would not bind every variable it restores into (module docstring);
+    the error names an older snapshot a recovery can restore, when the kernel knows one."""
+    problems = _unfound(journal, snapshot, sliced)
+    if not problems:
+        return
+    older = None
+    for candidate in reversed(book.all()):
+        if candidate.id >= snapshot.id or roots_of(candidate.names) is None:
+            continue
+        if not _unfound(
+            journal, candidate, slice_for(journal.replay_for(candidate.call), candidate.names)
+        ):
+            older = candidate
+            break
+    steps = (
+        [
+            Step(
+                f"recover to the older snapshot {older.id} (of {older.holding}) with {{}}",
+                f"pool.recover({older.id!r})",
+                f"%fsdp recover --from {older.id}",
+            )
+        ]
+        if older is not None
+        else []
+    )
+    raise RecoveryError(
+        f"{snapshot.describe()} cannot be recovered to: a recovery replays the calls before "
+        "the one that took it that bind what it restores into, and none binds "
+        + "; ".join(problems)
+        + f"; {_UNCHANGED}. A snapshot finds its objects again when it is given them where "
+        "a replayed cell keeps them (model=run.model).",
+        *steps,
+        RESTART,
+    )

@@ -1,16 +1,20 @@
 """The replay phase of a recovery (kernel side): the slice's entries run again on the fresh
 group, each with the random generators its original started and ended with, parameter
-initialization deferred where the snapshot overwrites it.
+initialization skipped exactly for the tensors the snapshot writes.
 
 1. :func:`prepare`: every rank gets, in one call, the generator states its original rank
-   reported for each entry to replay (:class:`~._generator_states.GeneratorStates`) and
-   which entries may defer initialization (:attr:`~._slice.ReplaySlice.skip_init`);
+   reported for each entry to replay (:class:`~._generator_states.GeneratorStates`) and,
+   per entry, the initialization calls it may skip: the entry's *restored suffix*
+   (:func:`restored_suffix`), from the calls its original rank made and where each tensor
+   ended (:attr:`~._journal.JournalEntry.inits`);
 2. each entry runs as a replay of itself (``Pool.run(..., replayed=entry.id)``): the ranks
-   set the generators to the original's start, defer ``torch.nn.init`` where asked, and at
-   the end set the generators to the original's end (:mod:`.rank._cell_watch`); its output
-   is not shown, one line per entry is;
-3. :func:`finish`: every rank initializes what was deferred and is not a parameter or
-   buffer of the objects the snapshot restores (:mod:`.rank._init_deferral`).
+   set the generators to the original's start, skip the initialization calls of the
+   suffix, and at the end set the generators to the original's end
+   (:mod:`.rank._cell_watch`, :mod:`.rank._init_deferral`); its output is not shown, one
+   line per entry is;
+3. :func:`finish`: every rank counts the calls skipped and run, and names each skipped
+   tensor that no object the snapshot restores holds: :class:`InitsLeftUnset` (the
+   recovery then replays again with every initialization run).
 
 A failure in any of them is the caller's to handle (the recovery then leaves a fresh group).
 """
@@ -18,11 +22,12 @@ A failure in any of them is the caller's to handle (the recovery then leaves a f
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive.pool._journal import JournalEntry
+from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._slice import ReplaySlice
 from fsdp_interactive.pool.rank import _cell_watch, _results
 
@@ -47,9 +52,38 @@ class ReplayOutcome:
     without_generators: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-def prepare(pool: Pool, sliced: ReplaySlice) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Give every rank its part of the replay plan (one call, each rank its own states);
-    the entries some ranks have no generator states for."""
+def restored_suffix(
+    calls: Sequence[tuple[str, Sequence[int], Sequence[str]]], restored: Iterable[str]
+) -> int:
+    """The first of ``calls`` (an entry's initialization calls, ``(function, shape,
+    locations)``) from which every call's tensor is held by an object at one of the
+    locations ``restored``: the snapshot writes them. ``len(calls)`` when the last call's
+    tensor is not held. Skipping only a suffix keeps every call before it on the
+    generators the original had."""
+    held = set(restored)
+    first = len(calls)
+    for index in range(len(calls) - 1, -1, -1):
+        if not held.intersection(calls[index][2]):
+            break
+        first = index
+    return first
+
+
+def _skip_plan(entry: JournalEntry, rank: int, restored: Sequence[str]) -> dict[str, Any] | None:
+    calls = entry.inits.get(rank)
+    # A script run trains on its parameters before it pauses: it draws them all.
+    if not calls or not restored or entry.script is not None:
+        return None
+    return {"from": restored_suffix(calls, restored), "calls": [(f, s) for f, s, _ in calls]}
+
+
+def prepare(
+    pool: Pool, sliced: ReplaySlice, written: Sequence[str], *, skip_inits: bool = True
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Give every rank its part of the replay plan (one call, each rank its own states and
+    the initialization calls it may skip: those whose tensors ended at one of the
+    locations the snapshot ``written``, none without ``skip_inits``); the entries some
+    ranks have no generator states for."""
     entries = sliced.replay
     states = pool.journal.generators
     ranks = range(pool.world_size)
@@ -57,7 +91,8 @@ def prepare(pool: Pool, sliced: ReplaySlice) -> tuple[tuple[str, tuple[int, ...]
     for rank in ranks:
         plan = states.for_replay([e.id for e in entries], rank)
         for entry in entries:
-            plan.setdefault(entry.id, {})["skip_init"] = entry.id in sliced.skip_init
+            skip = _skip_plan(entry, rank, written) if skip_inits else None
+            plan.setdefault(entry.id, {})["skip_init"] = skip
         plans[rank] = plan
     views = pool._begin(None, None)
     handles = {
@@ -76,12 +111,14 @@ def prepare(pool: Pool, sliced: ReplaySlice) -> tuple[tuple[str, tuple[int, ...]
 
 
 def run_entries(
-    pool: Pool, entries: Sequence[JournalEntry], say: Callable[[str], None]
+    pool: Pool, entries: Sequence[JournalEntry], progress: RecoveryProgress
 ) -> dict[int, float]:
-    """Run ``entries`` again, in order, as replays; each one's seconds. The first failure
-    raises (the entry's label is in :class:`ReplayFailed`)."""
+    """Run ``entries`` again, in order, as replays, each shown on ``progress`` as it starts
+    and ends; each one's seconds. The first failure raises (the entry's label is in
+    :class:`ReplayFailed`)."""
     seconds = {}
-    for entry in entries:
+    for number, entry in enumerate(entries, 1):
+        progress.phase(f"replaying {entry.label} ({number} of {len(entries)})")
         began = time.monotonic()
         targets = entry.targets
         if targets is not None:
@@ -99,7 +136,7 @@ def run_entries(
         except Exception as error:
             raise ReplayFailed(entry, error) from error
         seconds[entry.id] = time.monotonic() - began
-        say(f"recovery: replayed {entry.label} in {seconds[entry.id]:.2f} s")
+        progress.done(f"replayed {entry.label} in {seconds[entry.id]:.2f} s")
     return seconds
 
 
@@ -112,9 +149,24 @@ class ReplayFailed(Exception):
         self.error = error
 
 
-def finish(pool: Pool, restored: Sequence[str]) -> dict[str, int]:
-    """Every rank runs the initializations deferred for tensors the objects at ``restored``
-    (the snapshot's locations) do not hold; rank 0's counts."""
+class InitsLeftUnset(Exception):
+    """Tensors whose initialization the replay skipped and that no object the snapshot
+    restores holds (``unset``: where each is, by rank)."""
+
+    def __init__(self, unset: Mapping[int, Sequence[str]]) -> None:
+        first = next(iter(unset.values()))
+        more = f" and {len(first) - 3} more" if len(first) > 3 else ""
+        super().__init__(
+            f"the replay skipped the initialization of {', '.join(first[:3])}{more}, which "
+            "the snapshot does not write"
+        )
+        self.unset = dict(unset)
+
+
+def finish(pool: Pool, restored: Sequence[str]) -> dict[str, Any]:
+    """Every rank counts the initialization calls it skipped and ran, and names the
+    skipped ones no object at ``restored`` (the snapshot's locations) holds; rank 0's
+    counts. :class:`InitsLeftUnset` when any rank names one."""
     code = (
         "from fsdp_interactive.pool.rank._cell_watch import finish_replay as _fsdpi_finish\n"
         f"{_DEFERRED} = _fsdpi_finish(globals(), {list(restored)!r})\n"
@@ -122,18 +174,33 @@ def finish(pool: Pool, restored: Sequence[str]) -> dict[str, int]:
     )
     pool.run(code, stream=False, journal=False)
     try:
-        counts = pool.pull(_DEFERRED, targets=[0])[0]
+        counts = pool.pull(_DEFERRED)
     finally:
         pool.run(f"globals().pop({_DEFERRED!r}, None)", stream=False, journal=False)
-    return {str(k): int(v) for k, v in dict(counts).items()}
+    unset = {rank: list(c["unset"]) for rank, c in enumerate(counts) if c.get("unset")}
+    if unset:
+        raise InitsLeftUnset(unset)
+    return dict(counts[0])
 
 
 def replay(
-    pool: Pool, sliced: ReplaySlice, restored: Sequence[str], say: Callable[[str], None]
+    pool: Pool,
+    sliced: ReplaySlice,
+    restored: Sequence[str],
+    progress: RecoveryProgress,
+    *,
+    skip_inits: bool = True,
+    held_at: Sequence[str] = (),
 ) -> ReplayOutcome:
-    """The whole replay phase (see the module's docstring)."""
-    lacking = prepare(pool, sliced)
-    seconds = run_entries(pool, sliced.replay, say)
+    """The whole replay phase (see the module's docstring), shown on ``progress``:
+    ``restored`` are the snapshot's locations, ``held_at`` every location its modules had
+    when it was taken (a tensor that ended at either is written by the restore);
+    ``skip_inits=False`` runs every initialization."""
+    progress.phase("preparing the replay")
+    written = [*restored, *(w for w in held_at if w not in restored)]
+    lacking = prepare(pool, sliced, written, skip_inits=skip_inits)
+    seconds = run_entries(pool, sliced.replay, progress)
+    progress.phase("checking what the replay initialized")
     counts = finish(pool, restored)
     return ReplayOutcome(
         sliced.replay,

@@ -27,9 +27,8 @@ other entry is skipped, with why: a training loop, an evaluation, a save or a pr
 *uses* the restored objects, and the snapshot holds what it did to them. ``--no-replay``
 keeps an entry out whatever it does.
 
-The init-skipping mark (:attr:`Part.skip_init`) goes on the entries replayed for the
-model's root or what it is built from: their parameters' initial values are overwritten by
-the snapshot, so the replay need not draw them (:mod:`.rank._init_deferral`).
+Which initializations a replayed entry may skip is not the slice's to say: it follows
+from where each initialized tensor ended (:func:`~._replay.restored_suffix`).
 
 A snapshot without recorded locations (taken by older versions) keeps the former rule:
 every candidate is replayed.
@@ -56,8 +55,6 @@ class Part:
     entry: JournalEntry
     replay: bool
     why: str
-    #: Replayed for the model's root: parameter initialization may be skipped.
-    skip_init: bool = False
 
     def line(self) -> str:
         """``In[2] defines model, optim`` or ``In[5] skipped: defines nothing the
@@ -77,25 +74,52 @@ class ReplaySlice:
     def replay(self) -> tuple[JournalEntry, ...]:
         return tuple(p.entry for p in self.parts if p.replay)
 
-    @property
-    def skip_init(self) -> frozenset[int]:
-        """Ids of the replayed entries whose parameter initialization may be skipped."""
-        return frozenset(p.entry.id for p in self.parts if p.replay and p.skip_init)
-
     def lines(self) -> list[str]:
         return [p.line() for p in self.parts]
+
+    def defines(self, name: str) -> bool:
+        """Whether a replayed entry binds ``name`` (in its code, as the ranks saw, or in
+        code that could not be read)."""
+        return any(
+            not p.entry.effects.parsed or name in p.entry.effects.defines or name in p.entry.rebound
+            for p in self.parts
+            if p.replay
+        )
+
+
+def beside(
+    entries: Sequence[JournalEntry], sliced: ReplaySlice, call: int | None, epoch: int
+) -> list[Part]:
+    """The journal's other entries since the epoch of the snapshot's entry ``call`` (the
+    current ``epoch`` for a snapshot taken outside any entry), each with why a recovery to
+    it does not replay them: the entry that took the snapshot, those after it, those that
+    failed or were cut short."""
+    candidates = {p.entry.id for p in sliced.parts}
+    taken = next((e for e in entries if e.id == call), None)
+    first_epoch = taken.epoch if taken is not None else epoch
+    found = []
+    for entry in entries:
+        if entry.id in candidates or entry.epoch < first_epoch or entry.outcome == "running":
+            continue
+        if entry.id == call:
+            why = "took the snapshot, which holds what it did until then"
+        elif entry.outcome != "ok":
+            why = f"ended with {entry.outcome}"
+        else:
+            why = "ran after the snapshot was taken: run it again after the recovery"
+        found.append(Part(entry, False, why))
+    return found
 
 
 @dataclass
 class _Need:
     why: str
-    model: bool  # on the model's chain (for init skipping)
     restored: bool  # a root the snapshot restores into
 
 
-def roots_of(names: Mapping[str, Any] | None) -> dict[str, tuple[str, bool]] | None:
-    """``{root name: (what it holds for the snapshot, holds the model)}`` from a snapshot's
-    recorded locations; ``None`` when the model's location is unknown."""
+def roots_of(names: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """``{root name: what it holds for the snapshot}`` from a snapshot's recorded
+    locations; ``None`` when the model's location is unknown."""
     if not names or not isinstance(names.get("model"), str):
         return None
     located: list[tuple[str, str]] = [
@@ -108,12 +132,12 @@ def roots_of(names: Mapping[str, Any] | None) -> dict[str, tuple[str, bool]] | N
         for keyword, path in (names.get("stateful") or {}).items()
         if isinstance(path, str)
     ]
-    roots: dict[str, tuple[str, bool]] = {}
+    roots: dict[str, str] = {}
     for path, label in located:
         root = path.split(".", 1)[0]
         shown = label if path == root else f"{label} ({path})"
-        what, model = roots.get(root, ("", False))
-        roots[root] = (f"{what}, {shown}" if what else shown, model or label == "the model")
+        what = roots.get(root, "")
+        roots[root] = f"{what}, {shown}" if what else shown
     return roots
 
 
@@ -127,7 +151,7 @@ def slice_for(candidates: Sequence[JournalEntry], names: Mapping[str, Any] | Non
     roots = roots_of(names)
     if roots is None:
         return _every_candidate(candidates)
-    need = {root: _Need(f"restores {what}", model, True) for root, (what, model) in roots.items()}
+    need = {root: _Need(f"restores {what}", True) for root, what in roots.items()}
     modules = set(PREFILLED_MODULES).union(*(e.effects.imports for e in candidates))
     parts: list[Part] = []
     for entry in reversed(candidates):
@@ -146,9 +170,9 @@ def _kills(entry: JournalEntry) -> set[str]:
 def _whole_script_runs(parts: Sequence[Part]) -> list[Part]:
     """A script run's entries (its start and each continue, ``Pool.run_script``) are
     replayed together or not at all: its pause before the snapshot is reached only by
-    running the script from its start through every continue before the snapshot. Their
-    parameter initialization is never skipped: the script trains on the parameters
-    before it pauses."""
+    running the script from its start through every continue before the snapshot. (Their
+    parameter initialization is never skipped, :func:`~._replay.restored_suffix`: the
+    script trains on the parameters before it pauses.)"""
     groups = script_groups([part.entry for part in parts])
     replayed = {
         run
@@ -165,7 +189,7 @@ def _whole_script_runs(parts: Sequence[Part]) -> list[Part]:
         verb = "runs" if record.kind == "run" else "continues"
         what = f"{verb} {record.label} to {'its pause ' if record.state == 'paused' else ''}{where}"
         why = f"{what}, which {part.why}" if part.replay else f"{what} (the run is replayed whole)"
-        whole.append(Part(part.entry, True, why, skip_init=False))
+        whole.append(Part(part.entry, True, why))
     return whole
 
 
@@ -214,16 +238,15 @@ def _part(entry: JournalEntry, need: dict[str, _Need], modules: set[str], roots:
     if settings:
         reasons.append(f"changes the process ({_names(settings[:3])})")
     if reasons:
-        model_chain = any(need[n].model for n in [*defined, *changed])
         for name in _kills(entry) & set(defined):
             if name not in changed:
                 del need[name]
         for name in sorted(fx.reads):
-            need.setdefault(name, _Need(f"read by {entry.label}", model_chain, False))
-        return Part(entry, True, "; ".join(reasons), skip_init=model_chain)
+            need.setdefault(name, _Need(f"read by {entry.label}", False))
+        return Part(entry, True, "; ".join(reasons))
     if fx.definitions_only:
         for name in sorted(fx.reads_now):
-            need.setdefault(name, _Need(f"read by {entry.label}", False, False))
+            need.setdefault(name, _Need(f"read by {entry.label}", False))
         what = "only imports and defines functions, classes and constants"
         return Part(entry, True, f"{what}: kept for the cells run after the recovery")
     used = sorted(n for n in roots if n in fx.reads or n in fx.mutates)

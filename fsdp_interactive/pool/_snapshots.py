@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fsdp_interactive._text import snapshot_objects
 from fsdp_interactive.pool.rank._snapshot_calls import held_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
@@ -33,7 +34,9 @@ class SnapshotInfo:
     ``id`` sorts by age (``s000004``); ``step``: the training step it was taken at, if
     given; ``created``: wall-clock time on rank 0's host; ``call``: the journal entry it was
     taken during (``None``: outside a journaled call); ``names``: the variables holding the
-    model, the optimizer and each stateful object; ``hosts``: each rank's host.
+    model, the optimizer and each stateful object; ``hosts``: each rank's host;
+    ``dropped``: the snapshots of the same objects that taking it removed (``keep_last``),
+    each as ``s000006 (model, optim)``.
     """
 
     id: str
@@ -45,6 +48,9 @@ class SnapshotInfo:
     names: Mapping[str, Any] = field(default_factory=dict)
     bytes_per_host: Mapping[str, int] = field(default_factory=dict)
     seconds: float | None = None
+    dropped: tuple[str, ...] = ()
+    #: Every location of the modules it holds when it was taken (``model``, ``trainer.model``).
+    held_at: tuple[str, ...] = ()
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> SnapshotInfo:
@@ -63,7 +69,14 @@ class SnapshotInfo:
                 str(k): int(v) for k, v in (record.get("bytes_per_host") or {}).items()
             },
             seconds=record.get("seconds"),
+            dropped=tuple(str(d) for d in record.get("dropped") or ()),
+            held_at=tuple(str(w) for w in record.get("held_at") or ()),
         )
+
+    @property
+    def holding(self) -> str:
+        """The objects it holds, by where they were: ``model, optim, sched``."""
+        return snapshot_objects(dict(self.names))
 
     def age(self, now: float | None = None) -> float:
         return max(0.0, (time.time() if now is None else now) - self.created)
@@ -72,6 +85,13 @@ class SnapshotInfo:
         """``snapshot s000004 of step 40 (taken 12 s ago)``."""
         step = f" of step {self.step}" if self.step is not None else ""
         return f"snapshot {self.id}{step} (taken {_age_text(self.age(now))} ago)"
+
+    def taken_line(self) -> str:
+        """What taking it did, without its age (a status that stays true):
+        ``took snapshot s000007 of step 30 of model, optim; dropped s000006 (model, optim)``."""
+        step = f" of step {self.step}" if self.step is not None else ""
+        dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
+        return f"took snapshot {self.id}{step} of {self.holding}{dropped}"
 
 
 def _age_text(seconds: float) -> str:
@@ -95,10 +115,16 @@ class SnapshotBook:
             if record.get("kind", "snapshot") != "snapshot" or "id" not in record:
                 continue
             info = SnapshotInfo.from_record(record)
+            if info.dropped:  # named with what they held, while the book still knows
+                info = replace(info, dropped=tuple(self._named(d) for d in info.dropped))
             if info.id not in self._known:
                 added.append(info)
             self._known[info.id] = info
         return added
+
+    def _named(self, snapshot_id: str) -> str:
+        known = self._known.get(snapshot_id)
+        return f"{snapshot_id} ({known.holding})" if known is not None else snapshot_id
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop every snapshot but those in ``keep`` (what the hosts still hold)."""

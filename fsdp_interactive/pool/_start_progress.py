@@ -123,9 +123,7 @@ class StartProgress:
     ) -> None:
         self._what = what
         self._shown = shown and interactive()
-        self._surface: _Surface = (
-            _KernelDisplay() if stream is None and _in_kernel() else _TextLine(stream, moving)
-        )
+        self._surface = phase_line(stream, moving)
         self.began = time.monotonic()
         self._done: list[str] = []  # finished phases, with their durations
         self._phase_began = self.began
@@ -186,6 +184,13 @@ class StartProgress:
     def _end(self, text: str) -> None:
         if self._shown:
             self._surface.end(text)
+
+
+def phase_line(stream: TextIO | None = None, moving: bool = True) -> _Surface:
+    """Where a line of phases is shown (a start's, a recovery's): a display updated in
+    place in a Jupyter kernel, else the last line of ``stream`` (default: the current
+    ``sys.stdout``), rewritten in place (``moving``) or one line per phase."""
+    return _KernelDisplay() if stream is None and _in_kernel() else _TextLine(stream, moving)
 
 
 def describe_ranks(n: int | None, devices: object, backend: str | None) -> str:

@@ -75,6 +75,17 @@ RECOVER = Step("go back to the last snapshot with {}", "pool.recover()", "%fsdp 
 RUN_AGAIN = Step("{} to continue", "run the call again", "run the cell again")
 
 
+def resume_at(step: int) -> Step:
+    """Run the call again, knowing where its loop stands now: at the restored ``step``."""
+    return Step(
+        f"{{}} to go on from step {step}, the snapshot's (a loop that runs until a step, "
+        f"such as while step < total with the step counter the snapshot restored, resumes "
+        f"there; one that runs a number of steps runs them all again)",
+        "run the call again",
+        "run the cell again",
+    )
+
+
 def advice_line(steps: tuple[Step, ...], notebook: bool, out: str | None = None) -> str:
     """The steps as one sentence: "Keep waiting with ..., interrupt ..., or start ..."."""
     parts = [text for step in steps if (text := step.render(notebook, out))]
@@ -109,17 +120,31 @@ class Advised:
         """The message for a notebook user; ``out``: the name ``%%fsdp -o`` stored it under."""
         return self._compose(True, out)
 
-    def recovered(self, summary: str) -> None:
+    #: The step the pool recovered to by itself (``Pool(recover="auto")``), if known.
+    recovered_step: int | None = None
+    #: Whether the pool recovered by itself after this error.
+    was_recovered: bool = False
+
+    def recovered(self, summary: str, step: int | None = None) -> None:
         """Say that the pool recovered by itself (``Pool(recover="auto")``): ``summary``
-        ("recovered to the snapshot ... in 4.1 s") joins the message, and the advice
-        becomes running the call again."""
+        ("recovered to the snapshot ... in 4.1 s", and what came back) joins the message,
+        and the advice becomes running the call again, from the restored ``step`` when
+        the snapshot has one."""
         self._head = f"{self._head}\n{summary}" if self._head else summary
-        self.advice = (RUN_AGAIN,)
+        self.was_recovered, self.recovered_step = True, step
+        self.advice = (RUN_AGAIN,) if step is None else (resume_at(step),)
         self.args = (self._compose(False),)
 
     def recovery_failed(self, reason: str) -> None:
         """Say that an automatic recovery was tried and why it failed; the advice stays."""
         self.add_note_line(f"Automatic recovery failed: {reason}")
+
+    def with_head_line(self, line: str) -> Any:
+        """A copy of this error with ``line`` added to what happened (this one unchanged)."""
+        copied = type(self).__new__(type(self))  # type: ignore[call-overload]
+        copied.__dict__.update(self.__dict__)
+        copied.add_head_line(line)
+        return copied
 
     def add_head_line(self, line: str) -> None:
         """Add ``line`` to what happened, before the advice."""
@@ -136,9 +161,19 @@ class Advised:
         self.advice = steps
         self.args = (self._compose(False),)
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the type and the message, as ``%%fsdp`` shows its
+        errors. The pool's own frames (``_pool.py``, ``_dispatch.py``, ``_faults.py``)
+        say nothing to the caller; the ranks' tracebacks are in the message."""
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class PoolError(RuntimeError):
     """Base class of the pool's own errors that are not about one run's outcome."""
+
+    def _render_traceback_(self) -> list[str]:
+        """Shown by IPython as its type and message, without the pool's frames."""
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class PoolStartError(PoolError):
@@ -359,7 +394,14 @@ class RankInterrupted(Advised, KeyboardInterrupt):
         self.in_collective = sorted(in_collective)
         self.unfinished = dict(unfinished or {})
         self.needs_restart = bool(in_collective)
-        lines = [f"interrupted {_ranks_text(self.ranks)} (SIGINT)."]
+        if stuck:
+            stopped = [rank for rank in self.ranks if rank not in stuck]
+            lines = [
+                f"sent an interrupt (SIGINT) to {_ranks_text(self.ranks)}"
+                + (f"; {_ranks_text(stopped)} stopped." if stopped else ".")
+            ]
+        else:
+            lines = [f"interrupted {_ranks_text(self.ranks)} (SIGINT)."]
         for rank, where in sorted(stuck.items()):
             lines.append(f"rank {rank} did not stop: {where}")
         for rank, what in sorted(self.unfinished.items()):

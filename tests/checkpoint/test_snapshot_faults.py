@@ -189,3 +189,40 @@ def test_keep_last_keeps_that_many_on_every_host(ranks2, tmp_path):
         assert listed[i] == taken[max(0, i + 1 - keep_last) : i + 1], (i, listed)
     for host in HOSTS:
         assert sorted(p.name for p in (tmp_path / host).iterdir()) == taken[-1:]
+
+
+def _snapshots_of_two_models(root: str) -> dict:
+    s.place_on_hosts(root, HOSTS)
+    ns = s.cell_namespace(seed=0)
+    ns["second"] = ns["fsdp_interactive"].fsdp.FullyShardedDataParallel(
+        __import__("torch").nn.Linear(4, 4)
+    )
+    first = s.run_cell(ns, "result = fsdp_interactive.snapshot(model=model, optimizer=optim)")
+    other = s.run_cell(ns, "result = fsdp_interactive.snapshot(model=second)")
+    after_other = [r.id for r in ck.list_snapshots()]
+    again = s.run_cell(ns, "result = fsdp_interactive.snapshot(model=model, optimizer=optim)")
+    return {
+        "ids": [first.id, other.id, again.id],
+        "dropped": [first.dropped, other.dropped, again.dropped],
+        "after_other": after_other,
+        "after_again": [r.id for r in ck.list_snapshots()],
+        "shown": [repr(first), repr(again)],
+        "json": (Path(root) / "host-a" / again.id / "snapshot.json").read_text(),
+    }
+
+
+def test_keep_last_counts_snapshots_of_the_same_objects(ranks2, tmp_path):
+    """A snapshot of a second model never drops the only snapshot of the first; a snapshot
+    names what it holds and what it dropped, in one short line."""
+    per_rank = ranks2.run(_snapshots_of_two_models, str(tmp_path))
+    assert per_rank[0]["dropped"] == per_rank[1]["dropped"]  # every rank knows what went
+    got = per_rank[0]
+    first, other, again = got["ids"]
+    assert got["after_other"] == [first, other]  # keep_last=1 each: both kept
+    assert got["after_again"] == [other, again]
+    assert got["dropped"] == [[], [], [first]]
+    assert got["shown"] == [
+        f"<snapshot {first}: model, optim>",
+        f"<snapshot {again}: model, optim; dropped {first}>",
+    ]
+    assert "dropped" not in got["json"]

@@ -144,3 +144,31 @@ def test_a_torch_fsdp1_model_whose_ranks_train_their_own_copies_is_refused(ranks
             assert "shards over 1 of the 2 ranks" in result[how], result
             assert "device_mesh=init_device_mesh" in result[how]
         assert result["written"] == []
+
+
+def _torch_notices_of_the_kits_calls(kind: str, root: str) -> dict[str, Any]:
+    import warnings
+
+    from tests.checkpoint import _snapshots as s
+
+    s.place(root)
+    model, optim = w.build(kind)
+    w.train(model, optim, 0, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(f"{root}/saved", model, optim)
+        ck.load(f"{root}/saved", model, optim)
+        taken = ck.snapshot(model, optim)
+        ck.restore_snapshot(taken.id, objects={"model": model, "optimizer": optim})
+        warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+    return {"shown": [str(w_.message) for w_ in caught]}
+
+
+def test_a_torch_fsdp1_models_checkpoints_say_nothing_of_torchs_sharded_tensor(ranks2, tmp_path):
+    """Saving, loading, snapshotting and restoring a torch FSDP1 model show none of torch's
+    notices about ShardedTensor (which the user did not choose); other warnings still
+    show."""
+    for result in ranks2.run(
+        _torch_notices_of_the_kits_calls, "fsdp1-orig-FULL_SHARD", str(tmp_path)
+    ):
+        assert result["shown"] == ["a warning of the user's own"], result["shown"]

@@ -64,3 +64,32 @@ def kit_views(model: nn.Module, batch: torch.Tensor) -> dict[str, Any]:
     model.zero_grad()
     assert probed > 0, "the backward left no gradient to measure"
     return {"names": names, "grad_norm": float(probed), "framework_grad_norm": float(own)}
+
+
+def clipped_norms(trainer: Any) -> Any:
+    """A Trainer callback that keeps, at every optimizer step, the true global norm of the
+    gradients as the Trainer clipped them (torch FSDP1's own ``clip_grad_norm_`` with no
+    limit, on every rank): ``callback.after_clip``."""
+    from transformers import TrainerCallback
+
+    class ClippedNorms(TrainerCallback):
+        def __init__(self) -> None:
+            self.after_clip: list[float] = []
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any):
+            norm = trainer.model_wrapped.clip_grad_norm_(float("inf"))
+            self.after_clip.append(float(norm))
+
+    callback = ClippedNorms()
+    trainer.add_callback(callback)
+    return callback
+
+
+def clipped_by_the_true_norm(trainer: Any, callback: Any) -> list[tuple[float, float]]:
+    """Each logged step's (gradient norm the Trainer logged and clipped by, true global
+    norm of the gradients it clipped): clipping by the true norm ``n`` leaves
+    ``min(n, max_grad_norm)``, so the Trainer clipped by the true norm when the second is
+    ``min(first, max_grad_norm)``."""
+    steps = [int(e["step"]) for e in trainer.state.log_history if "grad_norm" in e]
+    norms = [float(e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
+    return [(norm, callback.after_clip[step - 1]) for step, norm in zip(steps, norms, strict=True)]

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.usefixtures("_frameworks")
 FRESH_ACCELERATE = (
     "from accelerate.state import AcceleratorState\nAcceleratorState._reset_state(True)\n"
 )
-PROBES = "from tests.frameworks._probes import logged, sharding\n"
+PROBES = (
+    "from tests.frameworks._probes import clipped_by_the_true_norm, clipped_norms, logged, "
+    "sharding\n"
+)
 # New TrainingArguments: each resets accelerate's per-process state when the Trainer sets
 # up its devices (one reused after another Trainer keeps a stale state).
 DDP_REFERENCE = """
@@ -117,31 +120,39 @@ KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal
 STATE = "__import__('tests.checkpoint._wrappings', fromlist=['digest']).digest(model, optim)"
 
 
-@pytest.mark.timing
-def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framework_pool):
-    """docs/frameworks.md's recovery recipe: the sharded model and optimizer prepared in a
-    replayed cell, ``train()`` in a training cell, a snapshot, a SIGKILL, ``recover()``:
-    every rank's state is the snapshot's, and ``train()`` goes on with those objects."""
+def _snapshot_kill_and_recover(pool, trainer: str):
+    """Snapshot ``model`` and ``optim`` at the trainer's step, SIGKILL rank 1, recover: every
+    rank's state is the snapshot's, bit for bit; the recovery's report."""
     from fsdp_interactive.pool import RankDied
 
-    pool = framework_pool
-    pool.restart()  # a journal of this test's cells only
-    pool.run(recipe("setup"), stream=False)
-    pool.run(recipe("trainer-subclass") + recipe("trainer-fsdp2").split("torch.manual_seed")[0])
-    pool.run(recipe("trainer-prepare"), stream=False)
-    pool.run("trainer.train()", stream=False, replay=False)
     pool.run(
-        "import fsdp_interactive\n"
-        "fsdp_interactive.snapshot(model=model, optimizer=optim, step=trainer.state.global_step)",
+        "import fsdp_interactive\nfsdp_interactive.snapshot(model=model, optimizer=optim, "
+        f"step={trainer}.state.global_step)",
         stream=False,
     )
     at_snapshot = _values(pool, STATE)
     with pytest.raises(RankDied):
         pool.run(KILL_RANK_1, stream=False)
     report = pool.recover()
-    # replayed: the setup, the Trainer and its arguments, the prepared model and optimizer
-    assert report.snapshot.step == 20 and len(report.replayed) == 3
+    assert report.snapshot.step == 20
     assert _values(pool, STATE) == at_snapshot
+    return report
+
+
+@pytest.mark.timing
+def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framework_pool):
+    """docs/frameworks.md's recovery recipe: the sharded model and optimizer prepared in a
+    replayed cell, ``train()`` in a training cell, a snapshot, a SIGKILL, ``recover()``:
+    every rank's state is the snapshot's, and ``train()`` goes on with those objects."""
+    pool = framework_pool
+    pool.restart()  # a journal of this test's cells only
+    pool.run(recipe("setup"), stream=False)
+    pool.run(recipe("trainer-subclass") + recipe("trainer-fsdp2").split("torch.manual_seed")[0])
+    pool.run(recipe("trainer-prepare"), stream=False)
+    pool.run("trainer.train()", stream=False, replay=False)
+    report = _snapshot_kill_and_recover(pool, "trainer")
+    # replayed: the setup, the Trainer and its arguments, the prepared model and optimizer
+    assert len(report.replayed) == 3
     pool.run("trainer.train()", stream=False, replay=False)
     resumed = _values(
         pool,
@@ -152,3 +163,33 @@ def test_a_trainer_prepared_in_a_cell_of_its_own_recovers_and_trains_on(framewor
         assert same_optimizer and same_model
         assert adam_steps == 40  # the restored 20 steps and 20 more
         assert len(logs) == 4
+
+
+@pytest.mark.timing
+def test_the_trainer_fsdp1_recipe_recovers_bit_for_bit_and_clips_by_the_true_norm(
+    framework_pool,
+):
+    """docs/frameworks.md's FSDP v1 recipe: the model wrapped in torch FSDP1 and its
+    optimizer prepared in a replayed cell, ``train()`` in a training cell: the Trainer
+    clips by the true global gradient norm (not a rank's own), before and after a SIGKILL
+    and ``recover()``, which restores every rank's state bit for bit."""
+    pool = framework_pool
+    pool.restart()
+    pool.run(recipe("setup"), stream=False)
+    pool.run(recipe("trainer-subclass"), stream=False)
+    pool.run(FRESH_ACCELERATE + recipe("trainer-fsdp1-prepare"), stream=False)
+    train = "norms = clipped_norms(trainer_v1)\ntrainer_v1.train()"
+    pool.run(PROBES + train, stream=False, replay=False)
+    checks = "(clipped_by_the_true_norm(trainer_v1, norms), type(model).__name__)"
+    for attempt in ("before", "after the recovery"):
+        found = _values(pool, checks)
+        assert found[0] == found[1]  # every rank logged and clipped by the same norm
+        pairs, kind = found[0]
+        assert kind == "FullyShardedDataParallel" and len(pairs) == 4, (attempt, pairs)
+        for logged_norm, clipped in pairs:
+            assert clipped == pytest.approx(min(logged_norm, 1.0), rel=1e-5), (attempt, pairs)
+        if attempt == "after the recovery":
+            break
+        _snapshot_kill_and_recover(pool, "trainer_v1")
+        pool.run(PROBES + train, stream=False, replay=False)
+        assert _values(pool, "trainer_v1.optimizer.optimizer is optim") == {0: True, 1: True}

@@ -45,7 +45,7 @@ def test_a_notebook_snapshots_shows_its_journal_and_recovers_after_a_death(
     cell(pool_shell, "--no-replay", STEP * 2)
     pool_shell.run_line_magic("fsdp", "snapshot model optim --step step")
     out, _ = capsys.readouterr()
-    assert "took snapshot s" in out and "of step 2" in out
+    assert "took snapshot s" in out and "of step 2 of model, optim" in out
     saved = weights(pool)
     cell(pool_shell, "--no-replay", STEP)  # past the snapshot
 
@@ -140,6 +140,9 @@ def test_a_death_between_cells_the_journal_and_snapshot_errors_in_magic_words(
     assert text.startswith("RankDied: rank 1 (pid") and "This call did not run." in text
     assert "Go back to the last snapshot with %fsdp recover" in text
     assert "IndexError" not in text and "never runs" not in capsys.readouterr().out
+    shell.run_line_magic("fsdp", "status")  # about the death, not about the call above
+    out, _ = capsys.readouterr()
+    assert "pool broken: rank 1 (pid" in out and "This call did not run." not in out
     with pytest.raises(UsageError, match=r"no running pool \(a rank died: rank 1"):
         shell.run_line_magic("fsdp", "push SETUP")
     with pytest.raises(Exception) as gone:

@@ -99,13 +99,17 @@ def test_snapshot_now_records_the_training_step_and_recover_shows_it_is_busy(res
     assert panel.step_counter() == "step"
     panel._snapshot_button.click()
     assert panel.error is None, panel.status
-    [info] = panel.snapshots
+    # keep_last counts snapshots of the same objects: an earlier test's of model and optim
+    # alone may still be held.
+    [info] = [s for s in panel.snapshots if s.names["stateful"]]
     assert info.step == 10 and info.names["stateful"] == {"step": "step"}
+    assert f"took snapshot {info.id} of step 10 of model, optim, step" in panel.status
     assert "after In[4]" in panel.text() and "call " not in panel.text()
 
     pool.run("fsdp_interactive.snapshot(model=model, optimizer=optim, step=step)", cell=5)
     panel.refresh()
-    [info] = panel.snapshots  # keep_last=1: the panel's was rotated away
+    # keep_last=1: the panel's was rotated away
+    [info] = [s for s in panel.snapshots if s.names["stateful"]]
     assert "In[5]" in panel.text() and "after" not in panel.text().splitlines()[-1]
     panel._plan_button.click()
     assert panel.report is not None and info.id in str(panel.report)
@@ -129,9 +133,11 @@ def test_snapshot_now_records_the_training_step_and_recover_shows_it_is_busy(res
     pool.run("step += 5", cell=6, stream=False, replay=False)
     panel._recover_button.click()
     assert panel.error is None, panel.status
-    assert [line for line, *_ in seen][:2] == [
+    assert [line for line, *_ in seen][:4] == [
         "recovering",
-        "recovery: a fresh group of 2 ranks is up",
+        "recovery: ending the old group ...",
+        "recovery: starting a fresh group of 2 ranks ...",
+        next(line for line, *_ in seen if line.startswith("recovery: a fresh group of 2 ")),
     ]
     assert all(busy and report == "" for _, busy, report, _ in seen)
     assert all("took" not in status and "recover to" not in status for *_, status in seen)

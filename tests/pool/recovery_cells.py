@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
+from fsdp_interactive.pool import RankDied
+
+#: A cell that SIGKILLs rank 1.
+KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+
 SETUP = """
 import torch
 from fsdp_interactive.fsdp import FullyShardedDataParallel as FSDP
@@ -87,3 +94,15 @@ def helpers(truth: str) -> str:
 def taken_at(truth, step: int, world_size: int) -> dict[int, str]:
     """Each rank's fingerprint, recorded just before the snapshot of ``step`` was taken."""
     return {rank: (truth / f"{step}-{rank}").read_text() for rank in range(world_size)}
+
+
+def values(pool, expression: str) -> dict[int, object]:
+    """Each rank's value of ``expression`` (a Python literal), not journaled."""
+    results = pool.run(expression, stream=False, journal=False).results
+    return {rank: ast.literal_eval(text) for rank, text in results.items()}
+
+
+def kill_rank_1(pool, cell: int) -> None:
+    """Run :data:`KILL_RANK_1` as notebook cell ``cell``; it raises ``RankDied``."""
+    with pytest.raises(RankDied):
+        pool.run(KILL_RANK_1, cell=cell, stream=False)

@@ -1,8 +1,9 @@
 """What a rank notes around each cell (``pool/rank/_cell_watch.py``) and the parameter
-initialization a replay defers (``pool/rank/_init_deferral.py``), in this process: the
+initialization a replay skips (``pool/rank/_init_deferral.py``), in this process: the
 generators captured and set again, the names rebound and the modules reshaped behind the
-code's back, the initializations dropped for what the snapshot restores and run for the
-rest."""
+code's back, where each initialized tensor ended, the initializations skipped exactly for
+what the snapshot restores (the rest equal to the original, bit for bit), and the check
+that names a skipped tensor nothing restores."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_interactive import _notices
+from fsdp_interactive.pool._replay import restored_suffix
 from fsdp_interactive.pool.rank import _cell_watch
-from fsdp_interactive.pool.rank._init_deferral import InitDeferral
 
 
 @pytest.fixture
@@ -99,56 +100,103 @@ def test_replay_sets_the_original_generators_around_the_cell(published):
     end = _cell_watch.capture_generators()
     after_original = torch.rand(2).tolist()
     torch.manual_seed(99)  # a fresh rank: other generators
-    _cell_watch.prepare_replay({4: {"start": start, "end": end, "skip_init": False}})
+    _cell_watch.prepare_replay({4: {"start": start, "end": end, "skip_init": None}})
     run_cell(namespace, "drawn = torch.rand(5)", call=None, replayed=4)
     torch.manual_seed(11)
     assert torch.equal(namespace["drawn"], torch.rand(5))
     assert torch.rand(2).tolist() == after_original
     assert published == []  # a replay reports nothing
-    assert _cell_watch.finish_replay(namespace, []) == {"skipped": 0, "initialized": 0}
+    assert _cell_watch.finish_replay(namespace, []) == {"skipped": 0, "initialized": 0, "unset": []}
 
 
-def test_replay_skips_the_initialization_the_snapshot_overwrites(published):
-    namespace: dict = {"nn": nn, "torch": torch}
+def original_and_replay(published, code: str, restored: list[str]) -> tuple[dict, dict, dict]:
+    """Run ``code`` as a journaled cell, then replay it on other generators with the
+    initialization calls skipped that a snapshot of ``restored`` writes; the original's
+    namespace, the replay's, and what :func:`finish_replay` said."""
+    original: dict = {"nn": nn, "torch": torch}
     torch.manual_seed(0)
     start = _cell_watch.capture_generators()
-    exec(
-        "model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))\nhead = nn.Linear(64, 3)",
-        {"nn": nn},
-    )
+    run_cell(original, code, call=21)
     end = _cell_watch.capture_generators()
-    later = torch.rand(3)
-    plan = {5: {"start": start, "end": end, "skip_init": True}}
-    _cell_watch.prepare_replay(plan)
+    report = next(n for n in published if n["kind"] == "cell" and n["call"] == 21)
+    calls = [(f, tuple(s), tuple(w)) for f, s, w in report["inits"]]
+    skip = {"from": restored_suffix(calls, restored), "calls": [(f, s) for f, s, _ in calls]}
+    torch.manual_seed(99)
+    _cell_watch.prepare_replay({5: {"start": start, "end": end, "skip_init": skip}})
+    replayed: dict = {"nn": nn, "torch": torch}
+    run_cell(replayed, code, call=None, replayed=5)
+    assert _cell_watch.capture_generators() == end  # where the original left them
+    return original, replayed, _cell_watch.finish_replay(replayed, restored)
+
+
+def same(first: nn.Module, second: nn.Module) -> bool:
+    pairs = zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_cell_reports_where_each_initialized_tensor_ended(published):
+    namespace: dict = {"nn": nn}
     code = (
-        "model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))\n"
-        "head = nn.Linear(64, 3)\n"
-        "gone = nn.Linear(8, 8)\n"
-        "del gone\n"
+        "class Box:\n    pass\n"
+        "box = Box()\nbox.net = nn.Linear(3, 3)\n"
+        "model = nn.Sequential(nn.Linear(4, 4))\nalias = model\n"
+        "scratch = nn.Linear(2, 2)\ndel scratch\n"
     )
-    run_cell(namespace, code, call=None, replayed=5)
-    # While deferred, nothing was drawn or written: the parameters are as allocated.
-    assert torch.equal(torch.rand(3), later)  # the generators are where the original left them
-    counts = _cell_watch.finish_replay(namespace, ["model"])
-    # model: weight, bias, norm weight, norm bias (skipped); gone: 2 (freed, skipped);
-    # head: weight and bias (run: not restored).
-    assert counts == {"skipped": 6, "initialized": 2}
-    bound = 1 / 8.0  # kaiming_uniform_(a=sqrt(5)) on 64 inputs
-    weight = namespace["head"].weight
-    assert weight.abs().max() <= bound and weight.abs().sum() > 0
-    assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # put back
+    run_cell(namespace, code, call=31)
+    report = next(n for n in published if n["call"] == 31)
+    assert report["inits"] == [
+        ["kaiming_uniform_", [3, 3], ["box.net"]],
+        ["uniform_", [3], ["box.net"]],
+        ["kaiming_uniform_", [4, 4], ["alias", "model"]],
+        ["uniform_", [4], ["alias", "model"]],
+        ["kaiming_uniform_", [2, 2], []],
+        ["uniform_", [2], []],
+    ]
+    assert {"box", "model", "alias", "Box"} <= set(report["names"])
 
 
-def test_deferral_runs_initializations_of_views_at_once():
-    deferral = InitDeferral()
+def test_replay_skips_only_the_initializations_the_snapshot_writes(published):
+    # The model the snapshot restores is built last: its calls are skipped, the head's run
+    # on the generators the original had, so the head equals what the cell built.
+    code = "head = nn.Linear(64, 3)\nmodel = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))\n"
+    original, replayed, said = original_and_replay(published, code, ["model"])
+    assert said == {"skipped": 4, "initialized": 2, "unset": []}
+    assert same(original["head"], replayed["head"])
+    assert not same(original["model"], replayed["model"])  # not drawn: the restore writes it
+
+
+def test_replay_skips_nothing_that_an_unrestored_tensor_drawn_after_would_miss(published):
+    # The restored model first: skipping it would move the head's draws, so nothing is.
+    code = "model = nn.Sequential(nn.Linear(64, 64))\nhead = nn.Linear(64, 3)\n"
+    original, replayed, said = original_and_replay(published, code, ["model"])
+    assert said == {"skipped": 0, "initialized": 4, "unset": []}
+    assert same(original["head"], replayed["head"]) and same(original["model"], replayed["model"])
+
+
+def test_a_skipped_tensor_no_restored_object_holds_is_named(published):
+    code = "head = nn.Linear(5, 3)\nmodel = nn.Sequential(nn.Linear(64, 64))\n"
+    original: dict = {"nn": nn, "torch": torch}
+    run_cell(original, code, call=41)
+    report = next(n for n in published if n["call"] == 41)
+    calls = [(f, tuple(s), tuple(w)) for f, s, w in report["inits"]]
+    skip = {"from": restored_suffix(calls, ["model"]), "calls": [(f, s) for f, s, _ in calls]}
+    _cell_watch.prepare_replay({6: {"start": None, "end": None, "skip_init": skip}})
+    # The replay binds the model elsewhere: the snapshot's location no longer holds it.
+    replayed: dict = {"nn": nn, "torch": torch}
+    run_cell(replayed, code.replace("model =", "other ="), call=None, replayed=6)
+    said = _cell_watch.finish_replay(replayed, ["model"])
+    assert said["unset"] == ["other.0.weight (kaiming_uniform_)", "other.0.bias (uniform_)"]
+
+
+def test_a_replay_that_takes_another_path_skips_nothing_more(published):
+    _cell_watch.prepare_replay(
+        {7: {"skip_init": {"from": 0, "calls": [("kaiming_uniform_", (9, 9))]}}}
+    )
+    namespace: dict = {"nn": nn, "torch": torch}
     base = torch.zeros(4, 4)
-    deferral.start()
-    try:
-        torch.nn.init.ones_(base[1])  # a view: run at once
-        whole = torch.zeros(3)
-        torch.nn.init.ones_(whole)
-    finally:
-        deferral.stop()
-    assert base[1].sum() == 4 and whole.sum() == 0
-    assert deferral.finish([]) == {"skipped": 0, "initialized": 1}
-    assert whole.sum() == 3
+    namespace["base"] = base
+    run_cell(namespace, "model = nn.Linear(4, 4)\nnn.init.ones_(base[1])", call=None, replayed=7)
+    assert base[1].sum() == 4  # a view is never skipped
+    said = _cell_watch.finish_replay(namespace, ["model"])
+    assert said == {"skipped": 0, "initialized": 3, "unset": []}
+    assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # the wrapper looks the same

@@ -107,7 +107,9 @@ def test_ranks_killed_between_calls_are_reported_and_recovered(faulty, capsys):
             continue
         if auto:
             assert "recovered to the snapshot" in message and f"of step {snapshot}" in message
-            assert "Run the cell again to continue." in message, context
+            assert f"Run the cell again to go on from step {snapshot}, the snapshot's" in (
+                message
+            ), context
             # The phases were printed while it recovered, as a manual recovery prints them.
             assert "recovering to the last snapshot by itself" in shown, context
             assert "recovery: a fresh group of 2 ranks is up" in shown, context

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive.pool import Pool, RankDied, RankError
+from fsdp_interactive.pool import Pool, RankError
 from fsdp_interactive.pool.errors import RecoveryError
-from tests.pool.recovery_cells import helpers
-
-KILL_RANK_1 = "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+from tests.pool.recovery_cells import helpers, kill_rank_1, values
 
 BUILD = """
 import torch
@@ -37,16 +35,6 @@ for step in range({first}, {last}):
     optim.zero_grad()
 print(f"loss {{loss.item():.4f}}")
 """
-
-
-def values(pool: Pool, expression: str) -> dict[int, object]:
-    results = pool.run(expression, stream=False, journal=False).results
-    return {rank: ast.literal_eval(text) for rank, text in results.items()}
-
-
-def kill_rank_1(pool: Pool, cell: int) -> None:
-    with pytest.raises(RankDied):
-        pool.run(KILL_RANK_1, cell=cell, stream=False)
 
 
 @pytest.fixture
@@ -179,11 +167,17 @@ def test_objects_in_attributes_are_recorded_there_and_found_again(fresh):
     fingerprint = helpers(str(tmp_path)).replace("model.", "box.net.").replace("optim.", "box.opt.")
     pool.run(fingerprint, cell=2, stream=False)
     take = "fsdp_interactive.snapshot(model=box.net, optimizer=box.opt).names"
-    # A variable is preferred to an attribute path.
+    # The path given is recorded, though variables hold the same objects.
     taken = values(pool, take)[0]
-    assert taken == {"model": "model", "optimizer": "optim", "stateful": {}}
+    assert taken == {"model": "box.net", "optimizer": "box.opt", "stateful": {}}
+    # Given through a function's own names, the objects are searched for: a variable
+    # is preferred to an attribute path.
+    search = (
+        "(lambda m, o: fsdp_interactive.snapshot(model=m, optimizer=o))(box.net, box.opt).names"
+    )
+    assert values(pool, search)[0] == {"model": "model", "optimizer": "optim", "stateful": {}}
     pool.run("del model, optim", cell=3, stream=False)
-    taken = ast.literal_eval(pool.run(take, cell=4, stream=False).results[0])
+    taken = ast.literal_eval(pool.run(search, cell=4, stream=False).results[0])
     assert taken == {"model": "box.net", "optimizer": "box.opt", "stateful": {}}
     saved = values(pool, "fingerprint()")
     kill_rank_1(pool, cell=5)

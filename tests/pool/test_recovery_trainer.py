@@ -91,9 +91,9 @@ def test_a_trainer_recovers_without_replaying_train(pool: Pool):
     pool.run(BUILD + RECIPE, cell=1, stream=False)
     assert values(pool, TRAIN, cell=2) == {0: 3, 1: 3}
     names = values(pool, SNAPSHOT, cell=3)[0]
-    # trainer.model is also the variable model: a variable is preferred.
+    # trainer.model is also the variable model: the path given is recorded.
     assert names == {
-        "model": "model",
+        "model": "trainer.model",
         "optimizer": "trainer.optimizer",
         "stateful": {"sched": "trainer.lr_scheduler"},
     }

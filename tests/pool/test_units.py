@@ -145,6 +145,12 @@ def test_rank_died_and_interrupted_messages():
     assert "last words" in str(died)
     assert describe_exit(3) == "exit code 3" and describe_exit(None) == "exit status unknown"
     interrupted = RankInterrupted([0, 1], {0: "in barrier (x.py:1)"}, [0])
+    # Not "interrupted rank 0" next to "rank 0 did not stop": what was sent, what stopped.
+    assert str(interrupted).startswith(
+        "sent an interrupt (SIGINT) to ranks 0, 1; rank 1 stopped.\n"
+        "rank 0 did not stop: in barrier (x.py:1)\n"
+    )
+    assert str(RankInterrupted([0], {}, [])).startswith("interrupted rank 0 (SIGINT).")
     assert interrupted.needs_restart
     assert "must be restarted" in str(interrupted) and "pool.restart()" in str(interrupted)
     assert "%fsdp restart" in interrupted.notebook_message()

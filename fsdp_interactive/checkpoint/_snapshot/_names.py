@@ -5,21 +5,35 @@ Recovery replays the cells that created the model, the optimizer and the other o
 then restores the snapshot into whatever is found where they were. So a snapshot records,
 for each object, its *location* in the calling code's namespace (the globals of the frame
 that called :func:`snapshot`; in a pool's engine that is the user namespace, also when the
-call sits inside a function the cell defined): a variable (``model``), or, for an object
-that no variable holds, an attribute path from one (``trainer.model_wrapped``,
-``trainer.optimizer``: what a Hugging Face ``Trainer`` builds inside ``train()``), found
-at most :data:`MAX_DEPTH` attributes deep (instance attributes, and a module's children).
-A variable is preferred to a path, and a shorter path to a longer one. Names starting with
-``_`` (IPython's output history ``_``, ``_3``, ...) are not used.
+call sits inside a function the cell defined):
+
+* what the caller wrote, when it is a variable or an attribute path from one
+  (``snapshot(model=run.model)`` records ``run.model``, also where a variable ``m`` holds
+  the same object) and names that object in the namespace (:func:`given_paths` reads the
+  call's source);
+* otherwise, where the object is found: a variable (``model``), or, for an object that no
+  variable holds, an attribute path from one (``trainer.model_wrapped``,
+  ``trainer.optimizer``: what a Hugging Face ``Trainer`` builds inside ``train()``), at
+  most :data:`MAX_DEPTH` attributes deep (instance attributes, and a module's children);
+  a variable before a path, a shorter path before a longer one.
+
+Names starting with ``_`` (IPython's output history ``_``, ``_3``, ...) are not used.
 
 Inside a pool's notebook call an object without a location is refused when the snapshot is
 taken (:class:`SnapshotObjectsError`, saying how to make it findable), since a recovery
 could not put it back; elsewhere (a script, a test) its location is ``None`` and a restore
-takes it through ``objects=``.
+takes it through ``objects=``. There a location whose variable a recovery would not bind
+again (:func:`fsdp_interactive._notices.unreplayed`: one bound only in a ``--no-replay``
+cell, in the cell taking the snapshot, or by ``Pool.push``) is re-pointed to another
+location of the same object that it would bind, or refused, with the reason
+(:func:`findable`).
 """
 
 from __future__ import annotations
 
+import ast
+import itertools
+import linecache
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -27,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_interactive import _notices
 from fsdp_interactive.checkpoint._stateful import Stateful
 from fsdp_interactive.checkpoint.errors import SnapshotObjectsError
 
@@ -76,19 +91,17 @@ def _attributes(value: Any) -> Iterator[tuple[str, Any]]:
                 yield name, attribute
 
 
-def locate(namespace: Mapping[str, Any], obj: Any) -> str | None:
-    """Where ``obj`` is in ``namespace``: a public name, else the shortest attribute path
-    from one (at most :data:`MAX_DEPTH` attributes), else ``None``."""
+def locations(namespace: Mapping[str, Any], obj: Any) -> Iterator[str]:
+    """Every location of ``obj`` in ``namespace``: public names first, then attribute
+    paths from them, shorter before longer (at most :data:`MAX_DEPTH` attributes)."""
     if obj is None:
-        return None
-    found = name_in(namespace, obj)
-    if found is not None:
-        return found
+        return
     level = [
         (name, value)
         for name, value in list(namespace.items())
         if isinstance(name, str) and not name.startswith("_")
     ]
+    yield from (name for name, value in level if value is obj)
     seen = {id(value) for _, value in level}
     visits = 0
     for _ in range(MAX_DEPTH):
@@ -96,13 +109,81 @@ def locate(namespace: Mapping[str, Any], obj: Any) -> str | None:
         for path, value in level:
             for name, attribute in _attributes(value):
                 if attribute is obj:
-                    return f"{path}.{name}"
+                    yield f"{path}.{name}"
                 visits += 1
                 if id(attribute) not in seen and visits < _MAX_VISITS:
                     seen.add(id(attribute))
                     deeper.append((f"{path}.{name}", attribute))
         level = deeper
-    return None
+
+
+def locate(namespace: Mapping[str, Any], obj: Any) -> str | None:
+    """Where ``obj`` is in ``namespace``: a public name, else the shortest attribute path
+    from one (at most :data:`MAX_DEPTH` attributes), else ``None``."""
+    return next(locations(namespace, obj), None)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``run.model`` for an expression that is a name or an attribute path, else ``None``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def given_paths(frame: types.FrameType | None, keywords: tuple[str, ...]) -> dict[str, str]:
+    """What the call being made in ``frame`` passes for each of ``keywords`` (the
+    positional parameters first, in order) when it is a variable or an attribute path:
+    ``{"model": "run.model"}`` for ``snapshot(model=run.model)``. Read from the call's
+    source (the notebook's cell); ``{}`` when the source cannot be read."""
+    if frame is None:
+        return {}
+    try:
+        # One position per 2-byte code unit: the call's is that of its last instruction.
+        where = next(itertools.islice(frame.f_code.co_positions(), frame.f_lasti // 2, None))
+        first, last, start, end = where
+        if None in where:
+            return {}
+        lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)[first - 1 : last]
+        if not lines:
+            return {}
+        raw = [line.encode("utf-8") for line in lines]
+        raw[-1] = raw[-1][:end]
+        raw[0] = raw[0][start:]
+        call = ast.parse("(" + b"".join(raw).decode("utf-8") + ")", mode="eval").body
+    except (SyntaxError, ValueError, IndexError, StopIteration, UnicodeDecodeError):
+        return {}
+    if not isinstance(call, ast.Call):
+        return {}
+    given = {}
+    for keyword, node in zip(keywords, call.args, strict=False):
+        if (path := _dotted(node)) is not None:
+            given[keyword] = path
+    for item in call.keywords:
+        if item.arg is not None and (path := _dotted(item.value)) is not None:
+            given[item.arg] = path
+    return given
+
+
+def follow(namespace: Mapping[str, Any], path: str) -> Any:
+    """The object at ``path`` (``name`` or ``name.attr...``) in ``namespace``, or ``None``."""
+    root, *attributes = path.split(".")
+    value = namespace.get(root)
+    for attribute in attributes:
+        value = getattr(value, attribute, None)
+    return value
+
+
+def _location(namespace: Mapping[str, Any], obj: Any, given: str | None) -> str | None:
+    if obj is None:
+        return None
+    usable = given is not None and not given.split(".", 1)[0].startswith("_")
+    if usable and follow(namespace, given) is obj:
+        return given
+    return locate(namespace, obj)
 
 
 def record_names(
@@ -110,14 +191,72 @@ def record_names(
     model: Any,
     optimizer: Any,
     stateful: Mapping[str, Any],
+    given: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``{"model": location, "optimizer": location, "stateful": {keyword: location}}``
-    (``None`` where an object has no location in ``namespace``, or was not given)."""
+    (``None`` where an object has no location in ``namespace``, or was not given);
+    ``given``: what the caller wrote for each keyword, used where it names the object."""
+    given = given or {}
     return {
-        MODEL: locate(namespace, model),
-        OPTIMIZER: locate(namespace, optimizer),
-        "stateful": {keyword: locate(namespace, obj) for keyword, obj in stateful.items()},
+        MODEL: _location(namespace, model, given.get(MODEL)),
+        OPTIMIZER: _location(namespace, optimizer, given.get(OPTIMIZER)),
+        "stateful": {k: _location(namespace, o, given.get(k)) for k, o in stateful.items()},
     }
+
+
+def findable(
+    namespace: Mapping[str, Any], names: dict[str, Any], objects: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str], SnapshotObjectsError | None]:
+    """``names`` with every location whose root a recovery would not bind again
+    (:func:`fsdp_interactive._notices.unreplayed`) re-pointed to one it would bind
+    (``objects``: keyword -> object); the notes saying what was re-pointed and why, and
+    the refusal when an object has no such location (``None``: none)."""
+    names = {**names, "stateful": dict(names.get("stateful") or {})}
+    notes: list[str] = []
+    problems: list[str] = []
+
+    def why_not(location: str) -> str | None:
+        root = location.split(".", 1)[0]
+        return _notices.unreplayed(root, namespace.get(root), namespace)
+
+    def settle(keyword: str, location: str | None) -> str | None:
+        if location is None:
+            return None
+        reason = why_not(location)
+        if reason is None:
+            return location
+        other = next((w for w in locations(namespace, objects[keyword]) if not why_not(w)), None)
+        if other is None:
+            problems.append(f"{keyword}={location}: {reason}")
+            return location
+        notes.append(f"{keyword!r} is recorded at {other}, not {location}: {reason}")
+        return other
+
+    names[MODEL] = settle(MODEL, names.get(MODEL))
+    if OPTIMIZER in objects:
+        names[OPTIMIZER] = settle(OPTIMIZER, names.get(OPTIMIZER))
+    for keyword in names["stateful"]:
+        names["stateful"][keyword] = settle(keyword, names["stateful"][keyword])
+    if not problems:
+        return names, notes, None
+    return (
+        names,
+        notes,
+        SnapshotObjectsError(
+            "snapshot(" + ", ".join(p.split(":", 1)[0] for p in problems) + "): a recovery "
+            "could not find "
+            + ("it" if len(problems) == 1 else "them")
+            + " again, since it replays only the cells that bind them and would not bind "
+            + ("this one" if len(problems) == 1 else "these")
+            + ": "
+            + "; ".join(problems)
+            + ". Pass each object where a cell that a recovery replays keeps it (e.g. "
+            "model=run.model rather than an alias made in a --no-replay cell), or bind "
+            "the variable in a cell before this one that is not marked --no-replay; "
+            "nothing was written",
+            missing=[p.split("=", 1)[0] for p in problems],
+        ),
+    )
 
 
 def unlocated_error(
@@ -147,7 +286,7 @@ def unlocated_error(
 NOT_A_GLOBAL = "the object was not a global of the code that took the snapshot"
 
 
-def _follow(namespace: Mapping[str, Any], path: str) -> tuple[Any, str | None]:
+def _found(namespace: Mapping[str, Any], path: str) -> tuple[Any, str | None]:
     """The object at ``path`` (``name`` or ``name.attr...``), or why it is not there."""
     root, *attributes = path.split(".")
     if root not in namespace:
@@ -189,7 +328,7 @@ def _find(
             f"pass objects={{{keyword!r}: ...}}"
         )
         return None, ""
-    value, why = _follow(namespace, location)
+    value, why = _found(namespace, location)
     if why is not None:
         problems.append(f"{keyword!r} {why}, or pass objects={{{keyword!r}: ...}}")
         return None, ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,6 +46,8 @@ class SnapshotPlan:
     call: int | None
     names: dict[str, Any]
     keys: list[str]
+    #: Every location of the modules it holds when it was taken (see the record).
+    held_at: list[str] = field(default_factory=list)
     #: The key the snapshot is sealed with (:mod:`._seal`), the same on every rank.
     key: bytes = b""
 
@@ -104,6 +106,7 @@ def plan(
     call: int | None,
     names: dict[str, Any],
     keys: list[str],
+    held_at: list[str] | None = None,
 ) -> SnapshotPlan:
     """Agree on the snapshot (collective over ``ranks``): ``need`` is this rank's estimate
     of its data files' bytes.
@@ -127,9 +130,9 @@ def plan(
         _layout.new_token(),
         _seal.fingerprint(key),
     )
-    seen: list[_Seen] = ranks.all_gather((mine, (created, call, names)))
+    seen: list[_Seen] = ranks.all_gather((mine, (created, call, names, held_at or [])))
     # What describes the snapshot is rank 0's, so that every host's record is the same.
-    created, call, names = seen[0][1]
+    created, call, names, held_at = seen[0][1]
     seen = [s for s, _ in seen]
     errors = [f"rank {r}: {s.error}" for r, s in enumerate(seen) if s.error is not None]
     if errors:
@@ -188,5 +191,6 @@ def plan(
         call=call,
         names=names,
         keys=keys,
+        held_at=list(held_at),
         key=key,
     )

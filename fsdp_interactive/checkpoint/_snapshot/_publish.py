@@ -10,8 +10,9 @@ Collective over the snapshot's ranks, in this order, each step agreed before the
 3. every host's leader writes ``manifest.json``, ``snapshot.json`` and their seal
    (:mod:`._seal`; the same on every host) and renames its folder to the snapshot's id:
    the snapshot is published there;
-4. once every host has published, each leader removes its snapshots beyond
-   ``keep_last``; rank 0 publishes a ``{"kind": "snapshot", ...}`` notice.
+4. once every host has published, each leader removes its snapshots of the same objects
+   beyond ``keep_last`` (never one of other objects); rank 0 publishes a ``{"kind":
+   "snapshot", ...}`` notice, naming what every host holds and what was removed.
 
 A step that fails on any rank fails on all, and the leaders remove the unfinished
 folders. A rank killed at any point leaves dot-folders (never listed, removed by the
@@ -22,6 +23,7 @@ new snapshot is published on some hosts only, holding every file it needs on tho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from datetime import datetime, timezone
@@ -113,6 +115,7 @@ def _describe(
         },
         seconds=seconds,
         call=plan.call,
+        held_at=plan.held_at,
     )
     return manifest, record
 
@@ -179,8 +182,10 @@ def _finish(
             problem = f"host {plan.host}: {exc}"
     _agree(ranks, problem, "publishing it (on some hosts it may be published)")
 
-    removed = _store.rotate(plan.root, plan.keep_last, plan.id) if plan.leader else []
-    ranks.all_gather(len(removed))  # every rank returns once every host has rotated
+    removed = _store.rotate(plan.root, plan.keep_last, plan.id, plan.key) if plan.leader else []
+    # Every rank returns once every host has rotated, knowing what went.
+    dropped = sorted(set().union(*ranks.all_gather(removed)))
+    record = dataclasses.replace(record, dropped=dropped)
     logger.info(
         "snapshot %s published on %d hosts (%s bytes per host) in %.3fs",
         plan.id,

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_interactive._text import snapshot_objects
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 RECORD_FORMAT = "fsdp-interactive-snapshot"
@@ -36,7 +37,15 @@ class SnapshotRecord:
       each host holds, the ring copies included;
     * ``seconds``: the blocking part of the call (all of it for a synchronous snapshot,
       the staging for ``background=True``);
-    * ``call``: the notebook call (journal entry) that took it, ``None`` outside a pool.
+    * ``call``: the notebook call (journal entry) that took it, ``None`` outside a pool;
+    * ``held_at``: every location (variable or attribute path) of the modules it holds when
+      it was taken (``model``, ``trainer.model``): a recovery skips the initialization of
+      tensors that ended there, since it writes them;
+    * ``dropped``: the snapshots of the same objects that taking it removed (``keep_last``),
+      set on the record the call returns and its notice, not in ``snapshot.json``.
+
+    Shown as one line (``<snapshot s000007 of step 30: model, optim>``), as a notebook
+    shows the value of a cell's last line.
     """
 
     id: str
@@ -49,6 +58,8 @@ class SnapshotRecord:
     bytes_per_host: dict[str, int]
     seconds: float
     call: int | None = None
+    held_at: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as a dict of plain data (a deep copy)."""
@@ -57,7 +68,28 @@ class SnapshotRecord:
     def to_json(self) -> str:
         """The record as the JSON text stored with the snapshot (format name and version included)."""
         data = {"format": RECORD_FORMAT, "format_version": RECORD_VERSION, **self.to_dict()}
+        del data["dropped"]  # what taking it removed is not the snapshot's to keep
         return json.dumps(data, indent=2, sort_keys=True)
+
+    def objects(self) -> tuple:
+        """What identifies the set of objects it holds (where the model, the optimizer and
+        each stateful keyword's object were): ``keep_last`` counts snapshots per set."""
+        names = self.names or {}
+        stateful = names.get("stateful") or {}
+        return (
+            names.get("model"),
+            names.get("optimizer"),
+            tuple(sorted((str(k), v) for k, v in stateful.items())),
+        )
+
+    def holding(self) -> str:
+        """The objects it holds, where they were: ``model, optim, sched``."""
+        return snapshot_objects(self.names)
+
+    def __repr__(self) -> str:
+        step = f" of step {self.step}" if self.step is not None else ""
+        dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
+        return f"<snapshot {self.id}{step}: {self.holding()}{dropped}>"
 
     @classmethod
     def from_json(cls, text: str, source: Path | str) -> SnapshotRecord:
@@ -85,6 +117,7 @@ class SnapshotRecord:
                 bytes_per_host={str(h): int(b) for h, b in data["bytes_per_host"].items()},
                 seconds=float(data["seconds"]),
                 call=None if data.get("call") is None else int(data["call"]),
+                held_at=[str(w) for w in data.get("held_at") or ()],
             )
         except Exception as exc:
             raise CorruptCheckpointError(

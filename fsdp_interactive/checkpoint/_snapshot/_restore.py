@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _manifest, _state
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._load import check_folder, load_with_state
 from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT
@@ -119,6 +120,7 @@ def _check_keys(source: _Source, model: nn.Module) -> dict[str, Any]:
     )
 
 
+@quietly
 def restore_snapshot(
     snapshot_id: str | os.PathLike | None = None,
     namespace: Mapping[str, Any] | None = None,

@@ -197,17 +197,30 @@ def sealed_ids(root: Path, key: bytes) -> list[str]:
     return found
 
 
-def rotate(root: Path, keep_last: int, protect: str) -> list[str]:
-    """Remove all but the newest ``keep_last`` published snapshots of ``root`` (by id),
-    never ``protect``; the removed folders."""
-    ids = published_ids(root)
+def rotate(root: Path, keep_last: int, protect: str, key: bytes) -> list[str]:
+    """Remove all but the newest ``keep_last`` published snapshots of ``root`` (by id) that
+    hold the same objects as ``protect`` (:meth:`SnapshotRecord.objects`: a snapshot of
+    another model is never dropped for this one), never ``protect``; the ids removed.
+    A snapshot whose record cannot be read under ``key`` is left alone."""
+    mine = _objects_of(root, protect, key)
+    if mine is None:
+        return []
+    ids = [i for i in published_ids(root) if i == protect or _objects_of(root, i, key) == mine]
     doomed = [i for i in ids[: max(0, len(ids) - keep_last)] if i != protect]
     removed = []
     for name in doomed:
         shutil.rmtree(root / name, ignore_errors=True)
-        removed.append(str(root / name))
+        removed.append(name)
         logger.info("snapshot rotation (keep_last=%d) removed %s", keep_last, root / name)
     return removed
+
+
+def _objects_of(root: Path, snapshot: str, key: bytes) -> tuple | None:
+    try:
+        return unseal(root / snapshot, read_texts(root / snapshot), key)[1].objects()
+    except CheckpointError as exc:
+        logger.info("rotation leaves %s alone: %s", snapshot, exc)
+        return None
 
 
 def remove_leftovers(root: Path) -> list[Path]:

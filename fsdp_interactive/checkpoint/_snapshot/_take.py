@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,17 +19,26 @@ from fsdp_interactive import _notices
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint import _pipeline
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._handle import INFLIGHT as SAVES
 from fsdp_interactive.checkpoint._raw_storage import RawWriter
 from fsdp_interactive.checkpoint._rng import RNGState
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint._snapshot import _plan, _publish, _room
 from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT, SnapshotHandle
-from fsdp_interactive.checkpoint._snapshot._names import record_names, unlocated_error
+from fsdp_interactive.checkpoint._snapshot._names import (
+    MODEL,
+    OPTIMIZER,
+    findable,
+    given_paths,
+    locations,
+    record_names,
+    unlocated_error,
+)
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._stateful import check_stateful
-from fsdp_interactive.checkpoint.errors import CheckpointError
+from fsdp_interactive.checkpoint.errors import CheckpointError, SnapshotLocationWarning
 from fsdp_interactive.fsdp._fqn_state import map_tensors
 
 logger = logging.getLogger(__name__)
@@ -57,11 +67,16 @@ def snapshot(
     keywords' objects (LR schedulers, samplers, step counters: anything with
     ``state_dict`` / ``load_state_dict``; see :func:`fsdp_interactive.checkpoint.save`
     for global and per-rank ones). It records where each object is in the calling code's
-    globals (by identity: a variable, or an attribute path such as
-    ``trainer.model_wrapped``), for :func:`restore_snapshot` after the cells that create
-    them were run again; inside a pool's notebook call, an object found nowhere there is
-    refused (:class:`~fsdp_interactive.checkpoint.SnapshotObjectsError`, on every rank,
-    before anything is written).
+    globals, for :func:`restore_snapshot` after the cells that create them were run
+    again: what the call wrote for it when that is a variable or an attribute path that
+    names it (``model=run.model`` records ``run.model``), else where it is found by
+    identity (a variable, or an attribute path such as ``trainer.model_wrapped``). Inside
+    a pool's notebook call, an object found nowhere there is refused
+    (:class:`~fsdp_interactive.checkpoint.SnapshotObjectsError`, on every rank, before
+    anything is written), and so is one whose variable a recovery would not bind again
+    (bound only in a ``--no-replay`` cell, in the cell taking the snapshot, or by
+    ``Pool.push``) unless another location of it would be: it is then recorded there,
+    with a :class:`~fsdp_interactive.checkpoint.SnapshotLocationWarning` saying why.
 
     ``step``: the training step (an int), recorded in the snapshot's record; a
     :class:`~fsdp_interactive.checkpoint.StepCounter` is also kept as a stateful object
@@ -70,9 +85,10 @@ def snapshot(
     * With ranks on several hosts, every rank's files also go to the following host (hosts
       in the order their names first appear in rank order), over gloo: one lost host
       loses no file. Every host holds the metadata and the descriptions.
-    * Published atomically per host (one rename once complete there). Snapshots beyond
-      the newest ``keep_last`` (an int >= 1) are removed only after every host published
-      the new one.
+    * Published atomically per host (one rename once complete there). Snapshots of the
+      same objects (the same locations) beyond the newest ``keep_last`` (an int >= 1) are
+      removed only after every host published the new one; snapshots of other objects
+      are kept. The record returned names those removed (``dropped``).
     * Refused before anything is written, with the same error on every rank and the
       previous snapshot kept: :class:`~fsdp_interactive.checkpoint.SnapshotSpaceError`
       when a host's folder lacks room for what it would keep; ``TypeError`` /
@@ -123,6 +139,7 @@ def snapshot(
         background=background,
         stateful=stateful,
         namespace=namespace,
+        given=given_paths(caller, (MODEL, OPTIMIZER)),
     )
 
 
@@ -181,6 +198,7 @@ def _tensor_count(state: Any) -> int:
     return count
 
 
+@quietly
 def take(
     model: Any,
     optimizer: Any,
@@ -190,20 +208,27 @@ def take(
     background: bool,
     stateful: Mapping[str, Any],
     namespace: Mapping[str, Any],
+    given: Mapping[str, str] | None = None,
 ) -> SnapshotRecord | SnapshotHandle:
-    """:func:`snapshot` with the namespace its names are looked up in given explicitly."""
+    """:func:`snapshot` with the namespace its names are looked up in given explicitly
+    (``given``: what the caller wrote for each keyword, :func:`._names.given_paths`)."""
     started, created, call = time.monotonic(), time.time(), _notices.current_call()
     if isinstance(step, StepCounter):  # kept as a stateful object, restored in place
         stateful = {**stateful, "step": step}
         step = int(step)
     _check(model, optimizer, step, keep_last, background, stateful)
-    names = record_names(namespace, model, optimizer, stateful)
+    names = record_names(namespace, model, optimizer, stateful, given)
     # The snapshot in flight publishes over the same group: its collectives end first.
     INFLIGHT.wait()
     if call is not None:
         # In a pool's notebook call a recovery will look for every object where it is now:
         # refused, on every rank alike, when one could not be found again.
         snapshot_ranks().agree(unlocated_error(names, optimizer, stateful))
+        objects = {MODEL: model, **({OPTIMIZER: optimizer} if optimizer is not None else {})}
+        names, notes, refusal = findable(namespace, names, {**objects, **stateful})
+        snapshot_ranks().agree(refusal)
+        for note in notes:
+            warnings.warn(f"snapshot: {note}", SnapshotLocationWarning, stacklevel=3)
     if background:
         # One write of the training state at a time per process (a checkpoint save waits
         # for a snapshot in flight likewise): an async save still writing ends first.
@@ -221,6 +246,7 @@ def take(
         call=call,
         names=names,
         keys=sorted(captured.state["model"]),
+        held_at=_module_locations(namespace, [model, *stateful.values()]),
     )
     try:
         written = write(captured.state, plan, ranks)
@@ -245,6 +271,16 @@ def take(
     INFLIGHT.hold(handle)
     handle.run_in_thread(publish, f"snapshot:{plan.id}", failed)
     return handle
+
+
+def _module_locations(namespace: Mapping[str, Any], objects: list[Any]) -> list[str]:
+    """Every location of the modules among ``objects`` in ``namespace`` (names and
+    attribute paths): where a recovery finds initialized tensors the snapshot writes."""
+    found: list[str] = []
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            found += [w for w in locations(namespace, obj) if w not in found]
+    return found
 
 
 def write(state: dict[str, Any], plan: _plan.SnapshotPlan, ranks: Ranks) -> RawWriter:

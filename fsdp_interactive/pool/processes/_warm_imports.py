@@ -99,11 +99,12 @@ def installed(top_level: str) -> bool:
 
 def prepare_forker() -> None:
     """Before any warm import, once the forker's preloads are done: make what warm imports
-    load here what an engine would load, ``tqdm.auto`` giving the rank bar
-    (:func:`~fsdp_interactive.pool.rank._engine_shell.install_rank_bars`)."""
+    load here what an engine would load, ``tqdm.auto`` giving the rank bar and the
+    initialization functions wrapped
+    (:func:`~fsdp_interactive.pool.rank._engine_shell.prepare_process`)."""
     shell = sys.modules.get("fsdp_interactive.pool.rank._engine_shell")
     if shell is not None:  # its preload failed: the engines report why
-        shell.install_rank_bars()
+        shell.prepare_process()
 
 
 def import_spec(spec: str) -> None:

@@ -15,13 +15,18 @@ the code does not show, such as a function assigning a ``global``) and the names
 module or optimizer changed shape (``reshaped``: a hook registered inside a helper).
 The journal keeps them (:meth:`~fsdp_interactive.pool._journal.Journal.note_cell`).
 
+The notice also holds the public names of the namespace after the call (``names``: what a
+recovery's report compares with what it brought back) and, for a call that initialized
+parameters, each ``torch.nn.init`` call with where its tensor ended (``inits``:
+:mod:`._init_deferral`).
+
 **A replayed entry** (a recovery runs it with its entry's id, after
-:func:`prepare_replay` gave this rank the original's generators and which entries may skip
-parameter initialization): at its start the generators are set to the original's start and,
-for those entries, ``torch.nn.init`` is deferred (:mod:`._init_deferral`); at its end
-deferring stops and the generators are set to the original's end, so that the cells after
-it draw the numbers they drew the first time. :func:`finish_replay` then initializes what
-was deferred and is not restored by the snapshot.
+:func:`prepare_replay` gave this rank the original's generators and, per entry, the
+initialization calls it may skip): at its start the generators are set to the original's
+start and the initialization calls are counted, those the snapshot writes skipped
+(:mod:`._init_deferral`); at its end the generators are set to the original's end, so that
+the cells after it draw the numbers they drew the first time. :func:`finish_replay` then
+checks that every skipped tensor belongs to an object the snapshot restores.
 
 Faults: everything here is this process's; a rank that dies loses its unsent report of the
 cell it died in (that cell failed, and is never replayed). A failure to capture or report
@@ -39,7 +44,7 @@ import random
 import sys
 import sysconfig
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +53,9 @@ from fsdp_interactive.pool.rank import _init_deferral
 
 log = logging.getLogger(__name__)
 
-#: IPython's own names in an engine's namespace, never the notebook's state.
-_SHELL_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
+#: IPython's own names in an engine's namespace (ipykernel's ``open`` too), never the
+#: notebook's state.
+_SHELL_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "open"})
 
 
 # ---------------------------------------------------------------------------- generators
@@ -184,6 +190,9 @@ class _Watch:
     rng: dict[str, Any]
     held: dict[str, tuple[int, Any]] = field(default_factory=dict)
     shapes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    inits: _init_deferral.InitRecorder | None = None
+    label: str = ""
+    kept_out: bool = False
 
 
 _watch: _Watch | None = None
@@ -194,7 +203,30 @@ _replay_plan: dict[int, dict[str, Any]] = {}
 #: The entry the cell about to run replays (set from its first line, :mod:`._engine_shell`).
 _next_replay: int | None = None
 _replaying: int | None = None
-_deferral: _init_deferral.InitDeferral | None = None
+#: The initialization calls of the replayed entry running now, and of those that ran.
+_skipper: _init_deferral.InitSkipper | None = None
+_skippers: list[_init_deferral.InitSkipper] = []
+#: What the next call is shown as and whether it is kept out of every recovery (set from
+#: its first line, :mod:`._engine_shell`).
+_next_label, _next_kept_out = "", False
+#: The public names of the namespace when the replayed entry running now started.
+_replay_held: dict[str, tuple[int, Any]] = {}
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """How a public name was last bound on this rank: by the call ``label``, the object
+    ``ident`` (with a weak reference where one can be taken), and why a recovery would not
+    bind it again (``None``: it would)."""
+
+    label: str
+    why_not: str | None
+    ident: int
+    ref: Any
+
+
+#: Every public name a journaled call or a replay bound, as last bound.
+_bindings: dict[str, _Binding] = {}
 
 
 def _public(namespace: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,6 +235,11 @@ def _public(namespace: Mapping[str, Any]) -> dict[str, Any]:
         for name, value in list(namespace.items())
         if isinstance(name, str) and not name.startswith("_") and name not in _SHELL_NAMES
     }
+
+
+def public_names(namespace: Mapping[str, Any]) -> list[str]:
+    """The public names of ``namespace`` (IPython's own left out), sorted."""
+    return sorted(_public(namespace))
 
 
 def _held(namespace: Mapping[str, Any]) -> dict[str, tuple[int, Any]]:
@@ -234,40 +271,112 @@ def replaying_entry(entry: int | None) -> None:
     _next_replay = entry
 
 
+def next_call(label: str, kept_out: bool) -> None:
+    """The call about to run is shown as ``label`` (``In[3]``) and, with ``kept_out``, is
+    never replayed by a recovery (``%%fsdp --no-replay``)."""
+    global _next_label, _next_kept_out
+    _next_label, _next_kept_out = label, kept_out
+
+
+def _rebound(before: Mapping[str, tuple[int, Any]], now: Mapping[str, tuple[int, Any]]):
+    return sorted(
+        name
+        for name, (ident, ref) in now.items()
+        if name not in before
+        or before[name][0] != ident
+        or (before[name][1] is not None and before[name][1]() is None)
+    )
+
+
+def _bind(names: Sequence[str], now: Mapping[str, tuple[int, Any]], label: str, why_not):
+    for name in names:
+        ident, ref = now[name]
+        _bindings[name] = _Binding(label, why_not, ident, ref)
+
+
+def judge(name: str, value: Any) -> str | None:
+    """Why a recovery would not bind ``name`` (holding ``value`` now) again, for
+    :func:`fsdp_interactive._notices.unreplayed`; ``None`` when it would."""
+    watch = _watch
+    if watch is not None:
+        before = watch.held.get(name)
+        if before is None or before[0] != id(value):
+            return (
+                f"{watch.label or 'the call taking the snapshot'} binds {name!r}, and a "
+                "recovery replays only the calls before the one that took the snapshot"
+            )
+    binding = _bindings.get(name)
+    if binding is None or binding.ident != id(value) or (binding.ref and binding.ref() is None):
+        return (
+            f"no %%fsdp cell or Pool.run call bound {name!r} to what it holds now (Pool.push, "
+            "%fsdp push or Pool.call did), so a recovery would not bind it again"
+        )
+    return binding.why_not
+
+
 def before_cell(namespace: Mapping[str, Any]) -> None:
     """IPython ``pre_run_cell``: note the start of a journaled call, or set up a replay."""
-    global _watch, _replaying, _deferral, _next_replay
+    global _watch, _replaying, _skipper, _next_replay
     _watch = None
     replayed, _next_replay = _next_replay, None
+    label, kept_out = _next_label, _next_kept_out
+    next_call("", False)
     if replayed is not None and _notices.replaying():
         _replaying = replayed
+        _replay_held.clear()
+        _replay_held.update(_held(namespace))
         plan = _replay_plan.get(replayed, {})
         _set_generators(plan.get("start"), replayed)
-        if plan.get("skip_init"):
-            _deferral = _deferral or _init_deferral.InitDeferral()
-            _deferral.start()
+        skip = plan.get("skip_init") or {}
+        _skipper = _init_deferral.InitSkipper(skip.get("from"), skip.get("calls") or ())
+        _skipper.start()
         return
     call = _notices.current_call()
     if call is None or _notices.replaying():
         return
     try:
         _watch = _Watch(call, capture_generators(), _held(namespace), _shapes(namespace))
+        _watch.label, _watch.kept_out = label, kept_out
+        _watch.inits = _init_deferral.InitRecorder()
+        _watch.inits.start()
     except Exception as error:  # never fail the user's cell for the journal's sake
         log.warning("could not note the state before call %s: %s", call, error)
 
 
-def after_cell(namespace: Mapping[str, Any]) -> None:
-    """IPython ``post_run_cell``: end a replayed entry, or report a journaled call."""
-    global _watch, _replaying
+def after_cell(namespace: Mapping[str, Any], *, failed: bool = False) -> None:
+    """IPython ``post_run_cell``: end a replayed entry, or report a journaled call
+    (``failed``: the cell raised)."""
+    global _watch, _replaying, _skipper
     if _replaying is not None:
         entry, _replaying = _replaying, None
-        if _deferral is not None:
-            _deferral.stop()
+        if _skipper is not None:
+            _skipper.stop()
+            _skippers.append(_skipper)
+            _skipper = None
         _set_generators(_replay_plan.get(entry, {}).get("end"), entry)
+        now = _held(namespace)
+        _bind(_rebound(_replay_held, now), now, f"replayed entry {entry}", None)
         return
     watch, _watch = _watch, None
     if watch is None:
         return
+    if watch.inits is not None:
+        watch.inits.stop()
+    try:
+        now = _held(namespace)
+        label = watch.label or f"call {watch.call}"
+        why_not = (
+            f"only {label} binds it, and {label} is marked --no-replay"
+            if watch.kept_out
+            else f"only {label} binds it, and {label} failed"
+            if failed
+            else None
+        )
+        _bind(_rebound(watch.held, now), now, label, why_not)
+        for gone in set(_bindings) - set(now):
+            del _bindings[gone]
+    except Exception as error:
+        log.warning("could not note what call %s bound: %s", watch.call, error)
     try:
         _notices.publish(_report(watch, namespace))
     except Exception as error:
@@ -294,13 +403,7 @@ def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
             states[mark] = state
     _sent.update(states)
     now = _held(namespace)
-    rebound = sorted(
-        name
-        for name, (ident, ref) in now.items()
-        if name not in watch.held
-        or watch.held[name][0] != ident
-        or (watch.held[name][1] is not None and watch.held[name][1]() is None)
-    )
+    rebound = _rebound(watch.held, now)
     reshaped = {}
     for name, value in _public(namespace).items():
         before = watch.shapes.get(id(value))
@@ -309,7 +412,7 @@ def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
         after = _shape_of(value)
         if after is not None and after != before:
             reshaped[name] = _shape_change(before, after)
-    return {
+    report = {
         "kind": "cell",
         "call": watch.call,
         "rng_start": marks[0],
@@ -317,7 +420,12 @@ def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
         "states": states,
         "rebound": rebound,
         "reshaped": reshaped,
+        "names": sorted(now),
     }
+    inits = watch.inits.records(namespace) if watch.inits is not None else []
+    if inits:
+        report["inits"] = [[f, list(shape), list(where)] for f, shape, where in inits]
+    return report
 
 
 # ---------------------------------------------------------------------------- replays
@@ -325,30 +433,32 @@ def _report(watch: _Watch, namespace: Mapping[str, Any]) -> dict[str, Any]:
 
 def prepare_replay(plan: Mapping[int, Mapping[str, Any]]) -> int:
     """Take the replay a recovery is about to run: ``{entry: {"start": state, "end": state,
-    "skip_init": bool}}`` for this rank. Returns how many entries have generator states."""
-    global _deferral
+    "skip_init": {"from": n, "calls": [(function, shape), ...]} or None}}`` for this rank
+    (``skip_init``: skip the entry's initialization calls from number ``n`` on, while they
+    match the original's ``calls``). Returns how many entries have generator states."""
     _replay_plan.clear()
     _replay_plan.update({int(k): dict(v) for k, v in plan.items()})
-    _deferral = None
+    _skippers.clear()
     return sum(1 for v in _replay_plan.values() if v.get("start") is not None)
 
 
-def finish_replay(namespace: MutableMapping[str, Any], restored: Sequence[str]) -> dict[str, int]:
-    """After the replay: run the parameter initializations deferred for tensors the
-    snapshot does not restore (``restored``: where the snapshot's objects are, names or
-    attribute paths). Returns ``{"skipped": n, "initialized": m}``."""
-    global _deferral
+def finish_replay(namespace: Mapping[str, Any], restored: Sequence[str]) -> dict[str, Any]:
+    """After the replay: how many initialization calls it skipped and ran, and the
+    skipped ones whose tensor no object at ``restored`` (where the snapshot's objects are,
+    names or attribute paths) holds: ``{"skipped": n, "initialized": m, "unset":
+    [where, ...]}``."""
     _replay_plan.clear()
-    deferral, _deferral = _deferral, None
-    if deferral is None:
-        return {"skipped": 0, "initialized": 0}
-    objects = [_at(namespace, path) for path in restored]
-    return deferral.finish([o for o in objects if o is not None])
-
-
-def _at(namespace: Mapping[str, Any], path: str) -> Any:
-    root, *attributes = path.split(".")
-    value = namespace.get(root)
-    for attribute in attributes:
-        value = getattr(value, attribute, None)
-    return value
+    skippers = list(_skippers)
+    _skippers.clear()
+    objects = [o for o in (_init_deferral.follow(namespace, p) for p in restored) if o is not None]
+    tally = _init_deferral.Tally()
+    for skipper in skippers:
+        skipper.settle(tally)
+        tally.unset += skipper.unset(namespace, objects)
+    if tally.skipped or tally.run:
+        log.info(
+            "replay: %d parameter initializations skipped (the snapshot writes them), %d run",
+            tally.skipped,
+            tally.run,
+        )
+    return {"skipped": tally.skipped, "initialized": tally.run, "unset": tally.unset}

@@ -35,12 +35,14 @@ import threading
 from typing import Any
 
 from fsdp_interactive import _notices
+from fsdp_interactive._text import call_label
 from fsdp_interactive.pool.common import _agent_wire
 from fsdp_interactive.pool.rank import (
     _agent,
     _bootstrap,
     _cell_watch,
     _debugger,
+    _init_deferral,
     _results,
     _tqdm_auto,
 )
@@ -50,7 +52,7 @@ _next_is_notebook_cell = False
 _hooked = False
 
 _MARK_PREFIX = "# fsdp_interactive:"
-_MARK_LINE = re.compile(r"# fsdp_interactive:((?: (?:call|cell|replay)=\d+)+)\r?\n?\Z")
+_MARK_LINE = re.compile(r"# fsdp_interactive:((?: (?:call|cell|replay|noreplay)=\d+)+)\r?\n?\Z")
 
 
 def _shell() -> Any:
@@ -98,6 +100,7 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     )
     _install_hooks(shell)
     _notices.set_sink(_notify_kernel)
+    _notices.set_judge(_judge_names)
     _debugger.forget()
     record = _bootstrap.join_group(spec)
     record["agent"] = list(address)
@@ -122,12 +125,14 @@ def mark_call(
     *,
     replaying: bool = False,
     replayed: int | None = None,
+    kept_out: bool = False,
 ) -> str:
     """``code`` as an engine of the pool runs it: as notebook call ``call`` (a journal
     entry's id), as the notebook's cell ``cell``, and, with ``replaying`` (or ``replayed``,
     the id of the journal entry a recovery replays), as a call a recovery replays
     (:func:`fsdp_interactive._notices.replaying` is then true, and the entry's generators
-    are set around it, :mod:`._cell_watch`).
+    are set around it, :mod:`._cell_watch`); ``kept_out``: a call no recovery replays
+    (``%%fsdp --no-replay``), so that a snapshot does not record a variable only it binds.
 
     Only a first line is added (none when there is nothing to mark); nothing in ``code``
     is changed or checked.
@@ -138,6 +143,8 @@ def mark_call(
         fields += [f"replay={int(replayed)}"]
     elif replaying:
         fields += ["replay=0"]
+    if kept_out and call is not None:
+        fields += ["noreplay=1"]
     return f"{_MARK_PREFIX} {' '.join(fields)}\n{code}" if fields else code
 
 
@@ -166,6 +173,9 @@ def _take_cell_mark(lines: list[str]) -> list[str]:
     )
     replayed = int(fields.get("replay", "0"))
     _cell_watch.replaying_entry(replayed or None)
+    call = int(fields["call"]) if "call" in fields else None
+    cell = int(fields["cell"]) if "cell" in fields else None
+    _cell_watch.next_call(call_label(call, cell, "".join(lines[1:])), "noreplay" in fields)
     if "cell" in fields:
         number = int(fields["cell"])
         _shell().execution_count = number
@@ -182,7 +192,7 @@ def _install_hooks(shell: Any) -> None:
         # First, so that IPython's own cleanup (leading blank lines, common indentation,
         # pasted prompts) sees the cell's code as the notebook has it.
         shell.input_transformers_cleanup.insert(0, _take_cell_mark)
-        install_rank_bars()
+        prepare_process()
         _make_run_magic_raise(shell)
         _hooked = True
 
@@ -203,16 +213,21 @@ def _run_file_raising(shell: Any, filename: str, *where: Any, exit_ignore: bool 
     shell.safe_execfile(filename, *where, exit_ignore=exit_ignore, raise_exceptions=True)
 
 
-def install_rank_bars() -> None:
-    """Make ``tqdm.auto`` in this process give the rank bar, publishing through the shell
-    of the engine it runs in when it draws (again: nothing changes).
+def prepare_process() -> None:
+    """Before any cell's imports: make ``tqdm.auto`` in this process give the rank bar,
+    publishing through the shell of the engine it runs in when it draws, and wrap the
+    parameter initialization functions (:func:`._init_deferral.install`). Again: nothing
+    changes.
 
     The engine forker calls it before importing what cells import (warm imports): it has
     loaded ``ipykernel``, so ``tqdm.auto`` imported there would otherwise pick the notebook
     widget, and a module that binds its class at import (``from tqdm.auto import tqdm``:
-    ``transformers``, ``tqdm.contrib``) would hand that widget to every engine forked after.
+    ``transformers``, ``tqdm.contrib``) would hand that widget to every engine forked after;
+    a module that binds an initialization function by name binds the wrapper, as it does
+    when a cell imports it in the first group.
     """
     _tqdm_auto.install(_publish_bar)
+    _init_deferral.install()
 
 
 def _publish_bar(data: dict[str, Any], display_id: str, update: bool) -> None:
@@ -221,13 +236,22 @@ def _publish_bar(data: dict[str, Any], display_id: str, update: bool) -> None:
     )
 
 
+def _judge_names(name: str, value: Any, namespace: Any) -> str | None:
+    """:func:`._cell_watch.judge` for the notebook's namespace; another (a script's
+    globals) is not the journal's to judge."""
+    if namespace is not _shell().user_ns:
+        return None
+    return _cell_watch.judge(name, value)
+
+
 def _before_cell(info: Any) -> None:
     _cell_watch.before_cell(_shell().user_ns)
 
 
 def _after_cell(result: Any) -> None:
     global _next_is_notebook_cell
-    _cell_watch.after_cell(_shell().user_ns)
+    failed = getattr(result, "error_in_exec", None) is not None
+    _cell_watch.after_cell(_shell().user_ns, failed=failed)
     _notices.set_current_call(None, replaying=False)
     if not _next_is_notebook_cell:
         return

@@ -14,8 +14,11 @@ from typing import Any
 
 #: Keys named in a message about a model that does not fit, at most.
 _KEYS_SHOWN = 6
-#: restore_snapshot's advice to pass objects, which a recovery cannot take.
-_OBJECTS_ADVICE = re.compile(r"(;|, or) pass objects=\{[^}]*\}")
+#: restore_snapshot's advice to pass objects, or to run the cells that define a name first,
+#: which a recovery cannot take (it replaced the group: the name would be gone again).
+_OBJECTS_ADVICE = re.compile(
+    r"(;|, or) pass objects=\{[^}]*\}|: run the cells that define '[^']*' first"
+)
 
 
 def held_here() -> list[dict[str, Any]]:
@@ -73,10 +76,15 @@ def restore_into(source: str, namespace: MutableMapping[str, Any]) -> dict[str, 
 
 def restore_here(source: str) -> dict[str, Any]:
     """:func:`restore_into` this engine's user namespace (what a recovery runs on every rank
-    with ``Pool.call``: one round trip, no cell and no variable left behind)."""
+    with ``Pool.call``: one round trip, no cell and no variable left behind), with the
+    public names the namespace then holds under ``"defined"`` (for the recovery's report)."""
+    from fsdp_interactive.pool.rank._cell_watch import public_names
     from fsdp_interactive.pool.rank._engine_shell import user_namespace
 
-    return restore_into(source, user_namespace())
+    namespace = user_namespace()
+    report = restore_into(source, namespace)
+    report["defined"] = public_names(namespace)
+    return report
 
 
 def check_folder_source(folder: str) -> str | None:
