@@ -48,6 +48,8 @@ LAYERS: dict[str, int] = {
     "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
     # a snapshot's checksums taken ahead of a restore: engine forker and ranks
     "_prechecked": 1,
+    # an attachable job's records (run with -m over ssh: the standard library only)
+    "_attach_records": 1,
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
@@ -63,6 +65,7 @@ LAYERS: dict[str, int] = {
     "notebook": 5,
     # entry points
     "demo": 6,
+    "attachable": 6,  # a training job's ranks made attachable (rank side)
     "cli": 7,
     "__init__": 8,
     "__main__": 8,
@@ -83,6 +86,8 @@ RANK_SIDE = (
     "_lazy_exports",
     "_checksums",
     "_prechecked",
+    "_attach_records",
+    "attachable",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).
 RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")

@@ -18,6 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from fsdp_interactive.notebook._attach_magics import AttachMagics, is_attached
 from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
     current_cell_number,
@@ -47,6 +48,11 @@ _SUBCOMMANDS = (
     "snapshot",
     "journal",
     "recover",
+    "stacks",
+    "attach",
+    "pause",
+    "resume",
+    "detach",
 )
 
 _magics: FsdpMagics | None = None
@@ -58,7 +64,7 @@ def current_pool() -> Any:
 
 
 @magics_class
-class FsdpMagics(RecoveryMagics, Magics):
+class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
     """The ``%fsdp`` family; one instance per IPython shell."""
 
     def __init__(self, shell: Any) -> None:
@@ -110,6 +116,14 @@ class FsdpMagics(RecoveryMagics, Magics):
                                                 back to the last snapshot after a fault:
                                                 a fresh group, the cells that build what
                                                 it restores replayed, the snapshot loaded
+        %fsdp stacks [--native]                 every rank's stack, with source lines
+        %fsdp attach [FOLDER|SLURM_JOB_ID|NAME] [--hosts a,b] [--ssh-args ARGS] [--take-over] [--hang-after S]
+                                                drive a running job started with
+                                                -m fsdp_interactive.attachable
+        %fsdp pause [--at-step N] [--timeout S] | resume | detach
+                                                stop the attached job after an optimizer
+                                                step (cells then run on its ranks), let it
+                                                go on, leave it running
         """
         words = line.strip().split(None, 1)
         if not words:
@@ -190,6 +204,8 @@ class FsdpMagics(RecoveryMagics, Magics):
 
     def _fsdp_stop(self, rest: str) -> None:
         self._no_arguments("stop", rest)
+        if is_attached(self.pool):
+            return self._fsdp_detach("")
         pool, self.pool = self.pool, None
         self._set_auto(False)
         if pool is None or pool.state == "stopped":
@@ -221,6 +237,8 @@ class FsdpMagics(RecoveryMagics, Magics):
         if self.pool is None:
             print("no pool; start one with %fsdp start -n 2")
             return
+        if is_attached(self.pool):
+            return self._attached_status()
         print("\n".join(self.pool.check().lines(notebook=True)))
         if not self.pool.running:
             return

@@ -7,10 +7,16 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 ``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
 hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
 ``on_output`` sink gets each chunk of the ranks' text and, through its ``display``
-method when it has one, each :class:`RankDisplay` they publish. Rank-side start-up code lives in
+method when it has one, each :class:`RankDisplay` they publish. ``attach()`` returns an
+:class:`AttachedJob`: the ranks of a running job started with
+``fsdp_interactive.attachable``, driven like a pool (:class:`JobStatus`,
+:class:`HangReport`; :class:`AttachError`, :class:`JobError`, :class:`JobNotPaused`,
+:class:`JobRanksGone`). Rank-side start-up code lives in
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
+from fsdp_interactive.pool._attach_errors import AttachError, JobError, JobNotPaused, JobRanksGone
+from fsdp_interactive.pool._attached_job import AttachedJob, HangReport, JobStatus, attach
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
 from fsdp_interactive.pool._state import PoolHealth, PoolState
@@ -33,9 +39,16 @@ from fsdp_interactive.pool.processes._devices import visible_cuda_device_count
 from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_hosts
 
 __all__ = [
+    "AttachError",
+    "AttachedJob",
     "CollectiveTrace",
     "DebuggerOutput",
+    "HangReport",
     "InterruptReport",
+    "JobError",
+    "JobNotPaused",
+    "JobRanksGone",
+    "JobStatus",
     "Pool",
     "PoolBusy",
     "PoolError",
@@ -53,6 +66,7 @@ __all__ = [
     "RecoveryError",
     "RunResult",
     "TaggedPrinter",
+    "attach",
     "check_ssh_hosts",
     "visible_cuda_device_count",
 ]

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import pickle
 import signal
 import socket
 import struct
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
 
 _KEY_LABEL = b"fsdp-interactive diagnostics channel "
 #: Signal that makes a rank write every thread's Python stack to its fault link: the
@@ -98,14 +100,51 @@ def peer_gone(fd: int) -> bool:
     return data == b""
 
 
-def connect(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
+#: Where an agent listens: ``(host, port)``, or the path of a Unix socket.
+Address = tuple[str, int] | str
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Send ``message`` pickled by the standard pickler. ``Connection.send`` uses
+    multiprocessing's pickler, for which torch registers reductions that send a tensor as
+    a handle to shared memory (fit for a child process, not for a peer over a socket);
+    the standard pickler sends a tensor's bytes. ``Connection.recv`` reads either."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def shut(conn: Connection) -> None:
+    """Close ``conn``, waking a thread that waits to read from it (``close`` alone would
+    leave it waiting on a descriptor number that may be reused); never raises."""
+    try:
+        sock = socket.socket(fileno=conn.fileno())
+    except (OSError, ValueError):
+        return  # closed already
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+    conn.close()
+
+
+def connect(address: Address, authkey: bytes, timeout: float) -> Connection:
     """An authenticated connection to the agent at ``address``; reads bounded by ``timeout``.
 
     Raises ``OSError`` (including ``TimeoutError``) when the agent cannot be reached or
     does not answer in time, and ``multiprocessing.AuthenticationError`` on a key
     mismatch.
     """
-    sock = socket.create_connection(address, timeout=timeout)
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection(address, timeout=timeout)
     sock.settimeout(None)  # blocking descriptor; the bound below applies instead
     _no_delay(sock)
     set_timeout(sock, timeout)

@@ -50,13 +50,21 @@ class RankAgents:
 
     def __init__(
         self,
-        addresses: Mapping[int, tuple[str, int]],
-        authkey: bytes,
+        addresses: Mapping[int, _agent_wire.Address],
+        authkey: bytes | Mapping[int, bytes],
         *,
         timeout: float = ASK_TIMEOUT_S,
     ) -> None:
-        self.addresses = {rank: (str(a[0]), int(a[1])) for rank, a in addresses.items()}
-        self._key = authkey
+        self.addresses: dict[int, _agent_wire.Address] = {
+            rank: a if isinstance(a, str) else (str(a[0]), int(a[1]))
+            for rank, a in addresses.items()
+        }
+        # One key for every rank (a pool's), or each rank its own (an attached job's).
+        self._keys = (
+            dict(authkey)
+            if isinstance(authkey, Mapping)
+            else dict.fromkeys(self.addresses, authkey)
+        )
         self.timeout = timeout
         self._fault: dict[int, Connection] = {}
         self._events: dict[int, Connection] = {}
@@ -69,9 +77,9 @@ class RankAgents:
     def ask_one(self, rank: int, request: dict[str, Any], timeout: float | None = None) -> Any:
         """One rank's reply to ``request``; raises ``OSError`` when it does not answer in time."""
         limit = self.timeout if timeout is None else timeout
-        conn = _agent_wire.connect(self.addresses[rank], self._key, limit)
+        conn = _agent_wire.connect(self.addresses[rank], self._keys[rank], limit)
         try:
-            conn.send(request)
+            _agent_wire.send(conn, request)
             reply = conn.recv()
         finally:
             conn.close()
@@ -123,7 +131,7 @@ class RankAgents:
         """Open the fault and event links of every rank (concurrently; failures are logged)."""
 
         def link(rank: int, kind: str) -> tuple[int, str, Connection]:
-            conn = _agent_wire.connect(self.addresses[rank], self._key, self.timeout)
+            conn = _agent_wire.connect(self.addresses[rank], self._keys[rank], self.timeout)
             conn.send({"op": kind})
             reply = conn.recv()
             if not (isinstance(reply, dict) and reply.get("ok")):

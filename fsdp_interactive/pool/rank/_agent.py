@@ -44,6 +44,12 @@ slow answer (py-spy) does not hold up another:
 The agent needs the GIL to answer; a rank whose C code holds the GIL does not answer,
 and the kernel falls back to the signal. Not done: encryption (the channel is
 authenticated, not private, like ipyparallel's own traffic).
+
+Other servers built on the agent (an attachable job's, :mod:`._attach_service`) hand it
+a socket that already listens (``listener``: a Unix socket in a private folder, say) and
+``handlers``: ops of their own, asked before the ones above, each called with the request
+and its connection; a handler that keeps the connection (a long-lived link) returns
+:data:`KEPT`.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -65,6 +71,10 @@ log = logging.getLogger(__name__)
 
 #: Exit status of a rank whose kernel is gone.
 OWNER_GONE_EXIT = 75
+#: What a handler returns when it keeps the connection it was given (nothing is sent).
+KEPT = object()
+#: ``handler(request, connection)``: a reply dict, or :data:`KEPT`.
+Handler = Callable[[dict[str, Any], Connection], Any]
 
 
 class RankAgent:
@@ -73,7 +83,9 @@ class RankAgent:
     ``user_thread``: ident of the thread that runs user code; ``code_name(filename)``
     labels notebook cell code; ``rank()`` tells the rank once the group formed;
     ``end_with_owner``: exit when the kernel's fault link ends without
-    :data:`pool.common._agent_wire.GOODBYE`.
+    :data:`pool.common._agent_wire.GOODBYE`. ``listener``: a listening socket to serve
+    on instead of a fresh TCP port on ``host``; ``handlers``: ops of the caller's own
+    (see the module).
     """
 
     def __init__(
@@ -85,17 +97,24 @@ class RankAgent:
         code_name: CodeName | None = None,
         rank: Callable[[], int] = lambda: -1,
         end_with_owner: bool = False,
+        listener: socket.socket | None = None,
+        handlers: Mapping[str, Handler] | None = None,
     ) -> None:
         self.authkey = authkey
         self.end_with_owner = end_with_owner
         self.user_thread = user_thread
         self.code_name = code_name
         self.rank = rank
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(64)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self.handlers = dict(handlers or {})
+        if listener is None:
+            listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, 0))
+            listener.listen(64)
+        self._sock = listener
+        name = listener.getsockname()
+        #: ``(host, port)``, or the path of a Unix socket.
+        self.address: tuple[str, int] | str = name if isinstance(name, str) else name[:2]
         self._links: dict[str, Connection] = {}
         self._events: EventLink | None = None
         self._closed = False
@@ -129,21 +148,33 @@ class RankAgent:
                 except (EOFError, OSError):
                     return
                 op = request.get("op") if isinstance(request, dict) else None
+                handler = self.handlers.get(op) if isinstance(op, str) else None
+                if handler is not None:
+                    try:
+                        reply = handler(request, conn)
+                    except Exception as error:
+                        reply = {"error": f"{type(error).__name__}: {error}"}
+                    if reply is KEPT:
+                        conn = None  # type: ignore[assignment]  # the handler owns it now
+                        return
+                    _agent_wire.send(conn, reply)
+                    continue
                 if op in ("fault_link", "event_link"):
                     self._keep_link(op, conn)
                     conn.send({"ok": True})
                     conn = None  # type: ignore[assignment]  # kept; not closed here
                     return
                 try:
-                    reply = self._answer(op, request)
+                    reply = self.answer(op, request)
                 except Exception as error:
                     reply = {"error": f"{type(error).__name__}: {error}"}
-                conn.send(reply)
+                _agent_wire.send(conn, reply)
         finally:
             if conn is not None:
                 conn.close()
 
-    def _answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one of the agent's own requests (see the module)."""
         from fsdp_interactive.pool.rank import (
             _debugger,
             _thread_stacks,
@@ -256,17 +287,7 @@ class EventLink:
         return self._conn.recv()
 
 
-def _shut(conn: Connection) -> None:
-    """Close ``conn``, waking a thread that waits to read from it (``close`` alone
-    would leave it waiting on a descriptor number that may be reused)."""
-    sock = socket.socket(fileno=conn.fileno())
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
-    conn.close()
+_shut = _agent_wire.shut
 
 
 _AGENT: RankAgent | None = None

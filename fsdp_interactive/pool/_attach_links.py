@@ -1,0 +1,202 @@
+"""The notebook's links to the ranks of one attached job.
+
+Each rank is reached where its record says (:mod:`fsdp_interactive._attach_records`): its
+Unix socket on this host; on another host through one ssh tunnel per host
+(:class:`pool.processes._ssh_tunnel.SshTunnel`: local sockets in a private folder of this
+kernel's host) or, where the job listens on TCP (``--listen``), at that address. Every
+connection passes the rank's HMAC challenge under the rank's own key
+(:mod:`pool.common._agent_wire`); requests go through :class:`RankAgents` (one
+connection per request and rank, all ranks at once).
+
+The *session links* (one per rank, kept open) make this notebook the job's attached one
+(:mod:`pool.rank._attach_session`): a rank whose link closes without the rank saying it
+exits has died (:meth:`JobLinks.gone`); another notebook that takes the job over is said
+on them too. :meth:`JobLinks.close` says goodbye on every link, so that no rank takes the
+detach for a notebook that went away, then ends the tunnels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fsdp_interactive import _private_files
+from fsdp_interactive.pool._attach_errors import AttachError
+from fsdp_interactive.pool._attach_find import FoundJob
+from fsdp_interactive.pool.common import _agent_wire
+from fsdp_interactive.pool.diagnostics._agent_client import ASK_TIMEOUT_S, RankAgents
+from fsdp_interactive.pool.processes._ssh_tunnel import SshTunnel
+
+log = logging.getLogger(__name__)
+
+
+class JobLinks:
+    """Links to every rank of ``found`` (see the module); ``ssh_args`` for the tunnels."""
+
+    def __init__(
+        self, found: FoundJob, *, ssh_args: Sequence[str] = (), timeout: float = ASK_TIMEOUT_S
+    ):
+        self.job = found.name
+        self.records = {r.rank: r for r in found.records}
+        self._tunnels: list[SshTunnel] = []
+        self._folder: str | None = None
+        addresses: dict[int, _agent_wire.Address] = {}
+        by_host: dict[str, list[tuple[str, str]]] = {}
+        for rank, record in self.records.items():
+            if record.host not in found.remote:
+                if record.socket is None:
+                    raise AttachError(f"rank {rank} of job {self.job} has no socket on this host")
+                addresses[rank] = record.socket
+            elif record.address is not None:
+                addresses[rank] = record.address
+            else:
+                local = os.path.join(self._private_folder(), f"r{rank}.sock")
+                by_host.setdefault(found.remote[record.host], []).append(
+                    (local, str(record.socket))
+                )
+                addresses[rank] = local
+        try:
+            for host, forwards in by_host.items():
+                tunnel = SshTunnel(host, ssh_args, forwards)
+                tunnel.start()
+                self._tunnels.append(tunnel)
+        except OSError as error:
+            self.close()
+            raise AttachError(str(error)) from None
+        self.agents = RankAgents(
+            addresses, {r: rec.key_bytes for r, rec in self.records.items()}, timeout=timeout
+        )
+        self._links: dict[int, Connection] = {}
+        self._said: dict[int, list[dict[str, Any]]] = {}
+
+    def _private_folder(self) -> str:
+        if self._folder is None:
+            # A short path: a Unix socket's path is limited to 107 bytes.
+            self._folder = tempfile.mkdtemp(
+                prefix="fsdpi-attach-", dir="/tmp" if os.path.isdir("/tmp") else None
+            )
+            _private_files.check_private_folder(self._folder)
+        return self._folder
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.records)
+
+    def open_sessions(self, request: dict[str, Any]) -> dict[int, Any]:
+        """Open the session link of every rank with ``request`` (``op`` ``"session"``);
+        every rank's first answer. :class:`AttachError` (and nothing left open) when a
+        rank refuses, cannot be reached or proves a different key."""
+
+        def open_one(rank: int) -> tuple[int, Connection, Any]:
+            conn = _agent_wire.connect(
+                self.agents.addresses[rank], self.records[rank].key_bytes, 30.0
+            )
+            conn.send(request)
+            return rank, conn, conn.recv()
+
+        failures: dict[int, str] = {}
+        answers: dict[int, Any] = {}
+        with ThreadPoolExecutor(max_workers=min(32, len(self.records))) as pool:
+            futures = {pool.submit(open_one, rank): rank for rank in self.ranks}
+        for future, rank in futures.items():
+            try:
+                _, conn, answer = future.result()
+            except AuthenticationError:
+                failures[rank] = "it refused the key of its record (the record is not this job's)"
+                continue
+            except (OSError, EOFError) as error:
+                failures[rank] = f"cannot be reached ({error})"
+                continue
+            if not (isinstance(answer, dict) and answer.get("ok")):
+                conn.close()
+                failures[rank] = str(answer.get("refused") if isinstance(answer, dict) else answer)
+                continue
+            _agent_wire.set_timeout(conn.fileno(), 10.0)
+            self._links[rank] = conn
+            answers[rank] = answer
+        if failures:
+            self.close()
+            first = sorted(set(failures.values()))
+            ranks = sorted(failures)
+            raise AttachError(
+                f"could not attach to job {self.job}: rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))}: {'; '.join(first)}"
+            )
+        return answers
+
+    def ask(
+        self, ranks: Sequence[int], request: dict[str, Any], timeout: float | None = None
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """``request`` to every rank of ``ranks`` at once: ``(replies, failures)``, a
+        failure being what the rank raised or why it did not answer in time."""
+        limit = self.agents.timeout if timeout is None else timeout
+
+        def one(rank: int) -> Any:
+            return self.agents.ask_one(rank, request, limit)
+
+        replies: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        if not ranks:
+            return replies, failures
+        with ThreadPoolExecutor(
+            max_workers=min(32, len(ranks)), thread_name_prefix="fsdpi-job"
+        ) as pool:
+            futures = {rank: pool.submit(one, rank) for rank in ranks}
+            for rank, future in futures.items():
+                try:
+                    replies[rank] = future.result()
+                except Exception as error:
+                    text = str(error)
+                    failures[rank] = (
+                        text.split("agent failed: ", 1)[-1]
+                        if "agent failed" in text
+                        else (f"no answer ({type(error).__name__}: {text})")
+                    )
+        return replies, failures
+
+    def said(self) -> dict[int, list[dict[str, Any]]]:
+        """What every rank sent unasked on its link so far (``exiting``, ``taken_over``)."""
+        for rank, conn in self._links.items():
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                while conn.poll(0):
+                    message = conn.recv()
+                    if isinstance(message, dict):
+                        self._said.setdefault(rank, []).append(message)
+        return self._said
+
+    def gone(self) -> dict[int, str]:
+        """Ranks whose link closed: ``"exited"`` (the rank said so first) or ``"died"``;
+        ranks taken over by another notebook: ``"taken over"``."""
+        said = self.said()
+        found = {}
+        for rank, conn in self._links.items():
+            kinds = {m.get("kind") for m in said.get(rank, [])}
+            if "taken_over" in kinds:
+                found[rank] = "taken over"
+            elif _agent_wire.peer_gone(conn.fileno()):
+                found[rank] = "exited" if "exiting" in kinds else "died"
+        return found
+
+    def close(self, goodbye: bool = True) -> None:
+        """Say goodbye on every link (unless not ``goodbye``), close them, end the tunnels."""
+        links, self._links = self._links, {}
+        for conn in links.values():
+            if goodbye:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(_agent_wire.GOODBYE)
+            with contextlib.suppress(OSError):
+                conn.close()
+        for tunnel in self._tunnels:
+            tunnel.stop()
+        self._tunnels = []
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
