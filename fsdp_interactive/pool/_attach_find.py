@@ -71,15 +71,23 @@ def find_job(
         text = f"slurm-{text}"
     if hosts:
         return _on_hosts(text, list(hosts), attach_dir, ssh_args, python)
+    if text is not None and os.sep in text:
+        try:
+            os.stat(text)
+        except PermissionError as error:
+            raise AttachError(
+                f"{text}: {error.strerror}; a job's records are readable only by the user who "
+                "started it"
+            ) from None
+        except FileNotFoundError:
+            raise AttachError(
+                f"{text}: no such folder; name a job's folder, its attach dir or a SLURM job id"
+            ) from None
     if text is not None and os.path.isdir(text):
         folder = os.path.abspath(text)
         if any(n.startswith(_attach_records.RECORD_PREFIX) for n in os.listdir(folder)):
             return _complete(os.path.basename(folder), _read_folder(folder), {})
         return _only_job(folder, None)
-    if text is not None and os.sep in text:
-        raise AttachError(
-            f"{text}: no such folder; name a job's folder, its attach dir or a SLURM job id"
-        )
     return _only_job(_attach_records.attach_dir(attach_dir), text)
 
 

@@ -32,17 +32,21 @@ from fsdp_interactive import _private_files
 from fsdp_interactive.pool._attach_errors import AttachError
 from fsdp_interactive.pool._attach_find import FoundJob
 from fsdp_interactive.pool.common import _agent_wire
-from fsdp_interactive.pool.diagnostics._agent_client import ASK_TIMEOUT_S, RankAgents
+from fsdp_interactive.pool.diagnostics._agent_client import RankAgents
 from fsdp_interactive.pool.processes._ssh_tunnel import SshTunnel
 
 log = logging.getLogger(__name__)
+
+#: How long a rank may take to answer: more than a pool's agents get, as a job's ranks
+#: share their hosts with the job's own work (data loaders, compilation) at full load.
+ANSWER_TIMEOUT_S = 10.0
 
 
 class JobLinks:
     """Links to every rank of ``found`` (see the module); ``ssh_args`` for the tunnels."""
 
     def __init__(
-        self, found: FoundJob, *, ssh_args: Sequence[str] = (), timeout: float = ASK_TIMEOUT_S
+        self, found: FoundJob, *, ssh_args: Sequence[str] = (), timeout: float = ANSWER_TIMEOUT_S
     ):
         self.job = found.name
         self.records = {r.rank: r for r in found.records}

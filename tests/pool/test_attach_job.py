@@ -231,3 +231,27 @@ def test_resume_then_detach_leave_the_job_computing_what_it_would_have(runs):
     assert runs.plain.wait() == 0, runs.plain.output()
     assert same_bits(runs.folder / "plain.pt", runs.folder / "attached.pt")
     assert not runs.job.job_folder.exists()  # the ranks removed their records as they ended
+
+
+@pytest.mark.world4
+def test_four_ranks_attach_with_status_and_stacks_and_pause_together(tmp_path):
+    os.chmod(tmp_path, 0o700)
+    stop = tmp_path / "stop"
+    with TorchrunJob(tmp_path, 4, "--stop-file", str(stop), "--step-sleep", "0.05") as running:
+        records = running.wait_attachable()
+        job = fsdp_interactive.attach(running.job_folder)
+        try:
+            status = job.status()
+            assert sorted(status.states) == [0, 1, 2, 3]
+            assert [status.states[r.rank].pid for r in records] == [r.pid for r in records]
+            stacks, where = job.stacks()
+            assert sorted(stacks) == sorted(where) == [0, 1, 2, 3]
+            step = job.pause(timeout=120)
+            assert {s.step for s in job.status().states.values()} == {step}
+            assert job.run("dist.get_world_size(), step", stream=False).results == {
+                r: f"(4, {step - 1})" for r in range(4)
+            }
+        finally:
+            job.detach()
+            stop.touch()
+        assert running.wait() == 0, running.output()

@@ -82,7 +82,8 @@ class StepBoundary:
     def target(self) -> int | None:
         return self._target
 
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer step post-hook (:func:`install` registers it once per process)."""
         if self.stopped is not None:
             return  # a step taken while stopped (a cell's): not the job's
         followed = self._followed() if self._followed is not None else None
@@ -129,7 +130,7 @@ def install() -> StepBoundary:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             boundary = StepBoundary()
-            boundary._handle = register_optimizer_step_post_hook(boundary._after_step)
+            boundary._handle = register_optimizer_step_post_hook(boundary.after_step)
             _BOUNDARY = boundary
         return _BOUNDARY
 
