@@ -163,7 +163,7 @@ def test_a_second_notebook_is_refused_until_it_asks_to_take_over(running_job):
         ):
             fsdp_interactive.attach(folder)
         second = fsdp_interactive.attach(folder, take_over=True)
-        with pytest.raises(JobError, match="another notebook took job .* over"):
+        with pytest.raises(JobError, match=r"another notebook took job .* over"):
             first.pause()
         assert second.pause() >= 1 and second.state == "paused"
         second.detach()
