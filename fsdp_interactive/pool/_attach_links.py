@@ -176,6 +176,17 @@ class JobLinks:
                         self._said.setdefault(rank, []).append(message)
         return self._said
 
+    def take_notices(self) -> list[dict[str, Any]]:
+        """The notices ranks sent (:mod:`fsdp_interactive._notices`, a snapshot's record),
+        each once, oldest first."""
+        taken = []
+        for messages in self.said().values():
+            for message in [m for m in messages if m.get("kind") == "notice"]:
+                messages.remove(message)
+                if isinstance(message.get("notice"), dict):
+                    taken.append(message["notice"])
+        return taken
+
     def gone(self) -> dict[int, str]:
         """Ranks whose link closed: ``"exited"`` (the rank said so first) or ``"died"``;
         ranks taken over by another notebook: ``"taken over"``."""

@@ -50,6 +50,7 @@ from fsdp_interactive.pool._attach_find import find_job
 from fsdp_interactive.pool._attach_links import JobLinks
 from fsdp_interactive.pool._dispatch import Targets, resolve_targets
 from fsdp_interactive.pool._output import OutputSink, RunResult
+from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, diagnose
 from fsdp_interactive.pool.common._job_status import (
     RankState,
@@ -133,6 +134,7 @@ class AttachedJob:
         self._detached = False
         self._paused_step: int | None = None
         self._pending_step: int | None = None
+        self._snapshot_book = SnapshotBook()
         self._records = [
             RankRecord(
                 rank=record.rank,
@@ -178,8 +180,10 @@ class AttachedJob:
         """The step every rank is paused after, else ``None``."""
         return self._paused_step
 
-    def snapshots(self) -> list[Any]:
-        return []  # the job's snapshots are on its hosts; the kernel keeps no records
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots taken while attached, as rank 0 reported them (oldest first)."""
+        self._snapshot_book.add(self._links.take_notices())
+        return self._snapshot_book.all()
 
     def __repr__(self) -> str:
         return f"<AttachedJob {self.job} {self.state} world_size={len(self._records)}>"

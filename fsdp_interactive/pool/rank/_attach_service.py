@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_interactive import _attach_records
+from fsdp_interactive import _attach_records, _notices
 from fsdp_interactive.pool.common import _snapshot_root
 from fsdp_interactive.pool.rank import _agent, _job_phase, _results, _step_boundary
 from fsdp_interactive.pool.rank._attach_session import Sessions
@@ -237,6 +237,8 @@ class AttachService:
             return refused
         self.pause.adopted()
         self._use_snapshot_key(request.get("snapshot_key"))
+        # What the job's code publishes (a snapshot's record) goes to the notebook.
+        _notices.set_sink(lambda notice: self.sessions.notify({"kind": "notice", "notice": notice}))
         _job_phase.ready_recorder()
         conn.send({"ok": True, "state": self.state()})
         return _agent.KEPT
@@ -251,6 +253,7 @@ class AttachService:
         """The notebook detached: no pause stays, its snapshots go, the environment is
         the job's again."""
         self.pause.cancel()
+        _notices.set_sink(None)
         self._drop_snapshots()
 
     # ------------------------------------------------------------------ in the training thread
