@@ -58,6 +58,7 @@ class AttachMagics:
         default=60.0,
         help="seconds in a collective that %%fsdp status calls a hang",
     )
+    @argument("--wait", type=float, default=0.0, help="seconds to wait for a job just started")
     def _fsdp_attach(self, rest: str) -> None:
         """%fsdp attach"""
         try:
@@ -77,6 +78,8 @@ class AttachMagics:
             )
         if args.hang_after <= 0:
             raise UsageError(f"--hang-after {args.hang_after}: type seconds > 0")
+        if args.wait < 0:
+            raise UsageError(f"--wait {args.wait}: type seconds >= 0")
         from fsdp_interactive.pool import attach
 
         hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
@@ -87,9 +90,15 @@ class AttachMagics:
             ssh_args=shlex.split(args.ssh_args),
             take_over=args.take_over,
             hang_after=args.hang_after,
+            wait=args.wait,
         )
-        print(f"attached to job {self.pool.job}")
-        print("\n".join(self.pool.status().lines(notebook=True)))
+        job = self.pool
+        hosts = len({r.host for r in job.topology})
+        print(
+            f"attached to job {job.job} ({job.world_size} ranks on {hosts} "
+            f"host{'s' if hosts > 1 else ''}); type %fsdp status to see every rank, "
+            "%fsdp pause to stop them after an optimizer step"
+        )
 
     @magic_arguments()
     @argument("--at-step", type=int, default=None, help="the optimizer step to pause after")
@@ -98,6 +107,11 @@ class AttachMagics:
         type=float,
         default=None,
         help="give up (and withdraw the pause) after S seconds",
+    )
+    @argument(
+        "--no-wait",
+        action="store_true",
+        help="arm the pause and return: the ranks stop when they get there",
     )
     def _fsdp_pause(self, rest: str) -> None:
         """%fsdp pause"""
@@ -112,7 +126,13 @@ class AttachMagics:
             raise UsageError(f"--at-step {args.at_step}: type an optimizer step number >= 1")
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout {args.timeout}: type seconds > 0")
-        step = job.pause(at_step=args.at_step, timeout=args.timeout)
+        step = job.pause(at_step=args.at_step, timeout=args.timeout, wait=not args.no_wait)
+        if args.no_wait:
+            print(
+                f"job {job.job} will pause after step {step}; %%fsdp cells wait for it, "
+                "%fsdp pause waits too"
+            )
+            return
         print(
             f"job {job.job} paused after step {step} on all {job.world_size} ranks; %%fsdp cells "
             "run on its ranks now. Type %fsdp resume to let it go on."

@@ -550,6 +550,7 @@ def attach(
     python: str | None = None,
     take_over: bool = False,
     hang_after: float = DEFAULT_HANG_AFTER_S,
+    wait: float = 0.0,
 ) -> AttachedJob:
     """Attach this notebook to a running attachable job; an :class:`AttachedJob`.
 
@@ -558,11 +559,24 @@ def attach(
     look for the job's records on these hosts (over ssh, ``ssh_args`` added; ``python``:
     the interpreter there, default this one's path). ``take_over``: attach even while
     another notebook is attached (it is detached). ``hang_after``: seconds in one
-    collective after which :meth:`AttachedJob.status` reports a hang.
+    collective after which :meth:`AttachedJob.status` reports a hang. ``wait``: seconds
+    to wait for the job's ranks to write their records (a job just started).
     """
     if not isinstance(hang_after, (int, float)) or isinstance(hang_after, bool) or hang_after <= 0:
         raise ValueError(f"hang_after must be seconds > 0, got {hang_after!r}")
-    found = find_job(target, attach_dir=attach_dir, hosts=hosts, ssh_args=ssh_args, python=python)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise ValueError(f"wait must be seconds >= 0, got {wait!r}")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            found = find_job(
+                target, attach_dir=attach_dir, hosts=hosts, ssh_args=ssh_args, python=python
+            )
+            break
+        except AttachError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # the job's ranks have not all written their records yet
     links = JobLinks(found, ssh_args=ssh_args)
     session = secrets.token_hex(16)
     client = {"host": socket.gethostname(), "pid": os.getpid(), "user": getpass.getuser()}
