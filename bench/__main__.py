@@ -38,6 +38,7 @@ FIGURES: tuple[str, ...] = (
     "checkpoint",
     "debug_cost",
     "state_scaling",
+    "attach",
 )
 
 

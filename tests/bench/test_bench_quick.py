@@ -29,6 +29,7 @@ FIGURES = (
     "checkpoint",
     "debug_cost",
     "state_scaling",
+    "attach",
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
