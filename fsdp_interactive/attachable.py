@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m fsdp_interactive.attachable [options] script.py ARGS`` (or ``-m MODULE``)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if (args.script is None) == (args.module is None):
+    if args.script is None and args.module is None:
         parser.error("name the training script (train.py ARGS) or a module (-m MODULE ARGS)")
     target = args.module or args.script
     rest = list(args.args)

@@ -16,9 +16,7 @@ import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-
-from fsdp_interactive.notebook._magic_io import usage_line
+from IPython.core.magic_arguments import argument, magic_arguments
 
 
 def is_attached(pool: Any) -> bool:
@@ -32,6 +30,9 @@ class AttachMagics:
     pool: Any
 
     def _require_pool(self) -> Any:
+        raise NotImplementedError
+
+    def _parse(self, func: Any, rest: str, command: str) -> Any:
         raise NotImplementedError
 
     def _require_job(self, command: str) -> Any:
@@ -61,12 +62,7 @@ class AttachMagics:
     @argument("--wait", type=float, default=0.0, help="seconds to wait for a job just started")
     def _fsdp_attach(self, rest: str) -> None:
         """%fsdp attach"""
-        try:
-            args = parse_argstring(self._fsdp_attach, rest)
-        except UsageError as error:
-            raise UsageError(
-                f"%fsdp attach: {error}\n{usage_line(self._fsdp_attach, 'attach')}"
-            ) from None
+        args = self._parse(self._fsdp_attach, rest, "attach")
         if self.pool is not None and self.pool.running:
             what = (
                 f"job {self.pool.job}"
@@ -115,12 +111,7 @@ class AttachMagics:
     )
     def _fsdp_pause(self, rest: str) -> None:
         """%fsdp pause"""
-        try:
-            args = parse_argstring(self._fsdp_pause, rest)
-        except UsageError as error:
-            raise UsageError(
-                f"%fsdp pause: {error}\n{usage_line(self._fsdp_pause, 'pause')}"
-            ) from None
+        args = self._parse(self._fsdp_pause, rest, "pause")
         job = self._require_job("pause")
         if args.at_step is not None and args.at_step < 1:
             raise UsageError(f"--at-step {args.at_step}: type an optimizer step number >= 1")
@@ -157,12 +148,7 @@ class AttachMagics:
     @argument("--native", action="store_true", help="add native (C/C++) frames (py-spy)")
     def _fsdp_stacks(self, rest: str) -> None:
         """%fsdp stacks"""
-        try:
-            args = parse_argstring(self._fsdp_stacks, rest)
-        except UsageError as error:
-            raise UsageError(
-                f"%fsdp stacks: {error}\n{usage_line(self._fsdp_stacks, 'stacks')}"
-            ) from None
+        args = self._parse(self._fsdp_stacks, rest, "stacks")
         stacks, where = self._require_pool().stacks(native=args.native)
         for rank in sorted(stacks):
             print(f"--- rank {rank}: {where.get(rank, '')}")

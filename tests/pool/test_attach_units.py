@@ -152,3 +152,58 @@ def test_a_rank_listens_on_tcp_only_where_asked_and_pause_timeouts_are_bounded(t
     finally:
         service.close()
     assert not (folder / "unit").exists()
+
+
+_SCRIPT = """
+import json, os, sys
+import fsdp_interactive
+from fsdp_interactive import _attach_records
+service = fsdp_interactive.attachable()  # the running one: the entry made it
+records = _attach_records.read_job(os.path.join(sys.argv[1], "solo"))
+print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0],
+                  "pid": records[0].pid == os.getpid(), "same": service.record == records[0]}))
+"""
+
+
+def test_the_entry_runs_a_script_or_a_module_as_main_with_its_arguments(tmp_path):
+    import json
+    import subprocess
+
+    folder = tmp_path / "attach"
+    (tmp_path / "job.py").write_text(_SCRIPT)
+    (tmp_path / "jobmodule.py").write_text(_SCRIPT)
+    entry = [sys.executable, "-m", "fsdp_interactive.attachable", "--attach-dir", str(folder)]
+    for target, expected_argv0 in (
+        ([str(tmp_path / "job.py")], str(tmp_path / "job.py")),
+        (["-m", "jobmodule"], "jobmodule"),
+    ):
+        done = subprocess.run(
+            [*entry, "--job-name", "solo", *target, str(folder), "--flag"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        assert seen["argv"][1:] == [str(folder), "--flag"] and seen["name"] == "__main__"
+        assert seen["pid"] and seen["same"]
+        if target[0] != "-m":
+            assert seen["argv"][0] == expected_argv0 and seen["path0"] == str(tmp_path)
+    assert not (folder / "solo").exists()  # removed as the process ended
+    bad = subprocess.run(
+        [*entry, "--pause-timeout", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2 and "pause_timeout must be seconds" in bad.stderr
+
+
+def test_attachable_is_callable_as_the_package_names_it():
+    import fsdp_interactive
+    import fsdp_interactive.attachable as module
+
+    assert callable(module) and callable(fsdp_interactive.attachable)
