@@ -116,9 +116,16 @@ class _RunningJob:
         self.thread.start()
 
     def attach(self) -> Any:
+        """Attach once every rank has taken a few steps (measured while it trains)."""
         import fsdp_interactive
 
-        return fsdp_interactive.attach(self.folder / "attach" / self.name, wait=300)
+        attached = fsdp_interactive.attach(self.folder / "attach" / self.name, wait=300)
+        deadline = time.monotonic() + 300
+        while min(s.step for s in attached.status().states.values()) < 3:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job of {self.name} took no steps within 300 s")
+            time.sleep(0.2)
+        return attached
 
     def stop(self) -> list[Any]:
         self.stop_file.touch()

@@ -173,6 +173,8 @@ def _on_hosts(
 
 def _complete(job: str, records: list[AttachRecord], remote: dict[str, str]) -> FoundJob:
     records = sorted(records, key=lambda r: r.rank)
+    if not records:
+        raise AttachError(f"job {job}: no rank answers on its socket yet (or any more)")
     world = records[0].world_size
     missing = sorted(set(range(world)) - {r.rank for r in records})
     if missing:

@@ -126,11 +126,18 @@ class AttachedJob:
     #: What the magics read: an attached job is not a pool they started.
     attached = True
 
-    def __init__(self, links: JobLinks, states: Mapping[int, RankState], *, hang_after: float):
+    def __init__(
+        self,
+        links: JobLinks,
+        states: Mapping[int, RankState],
+        *,
+        session: str,
+        hang_after: float,
+    ):
         self._links = links
         self.job = links.job
         self.hang_after = float(hang_after)
-        self._session = ""
+        self._session = session
         self._detached = False
         self._paused_step: int | None = None
         self._pending_step: int | None = None
@@ -152,6 +159,10 @@ class AttachedJob:
         self._diagnosis = Diagnosis(
             self._records, agents=links.agents, thread_ids={}, signal=_no_signal
         )
+        paused = [s for s in states.values() if s.phase == "paused"]
+        if paused and len(paused) == len(states) and len({s.step for s in paused}) == 1:
+            # Left paused by a notebook that went away: this one's pause now.
+            self._paused_step = paused[0].step
 
     # ------------------------------------------------------------------ what a pool has
 
@@ -336,32 +347,39 @@ class AttachedJob:
         return target
 
     def _arm(self, at_step: int | None) -> int:
-        """Ask every rank to pause after ``at_step`` (else after the step after the
-        furthest rank's, one further while a rank passed it meanwhile); the step."""
-        counts = {r: s.step for r, s in self.status().states.items()}
-        target = at_step if at_step is not None else max(counts.values(), default=0) + 1
-        if (
-            at_step is not None
-            and max(counts.values(), default=0) >= at_step
-            and self._paused_step != at_step
-        ):
-            raise JobError(
-                f"job {self.job} is past step {at_step} (ranks at steps "
-                f"{sorted(set(counts.values()))}); pause at a later step, or at the next one"
-            )
+        """Ask every rank to pause after ``at_step``, else after the step after the
+        furthest rank's (each rank first arms its own next step and says how far it is;
+        the ranks short of the furthest are then asked again), one further while a rank
+        passed it meanwhile; the step."""
         try:
+            replies = self._ask({"op": "pause", "step": at_step})
+            counts = {r: a["count"] for r, a in replies.items()}
+            if at_step is not None:
+                passed = [
+                    r
+                    for r, a in replies.items()
+                    if a["count"] >= at_step and a["paused"] != at_step
+                ]
+                if passed:
+                    raise JobError(
+                        f"job {self.job} is past step {at_step} (ranks at steps "
+                        f"{sorted(set(counts.values()))}); pause at a later step, or at the "
+                        "next one"
+                    )
+                return at_step
+            target = max(counts.values()) + 1
+            asked = {r: a["target"] for r, a in replies.items()}  # each armed its next step
             while True:
-                replies = self._ask({"op": "pause", "step": target})
+                again = [r for r, step in asked.items() if step != target]
+                if not again:
+                    return target
+                replies = self._ask({"op": "pause", "step": target}, again)
+                asked.update(dict.fromkeys(again, target))
                 passed = [
                     r for r, a in replies.items() if a["count"] >= target and a["paused"] != target
                 ]
-                if not passed:
-                    return target
-                if at_step is not None:
-                    raise JobError(
-                        f"ranks {passed} of job {self.job} passed step {at_step} meanwhile"
-                    )
-                target = max(a["count"] for a in replies.values()) + 1
+                if passed:  # went past it meanwhile: every rank one step further
+                    target = max(a["count"] for a in replies.values()) + 1
         except BaseException:
             self._withdraw()
             raise
@@ -537,6 +555,13 @@ class AttachedJob:
         self.detach()
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
 def _no_signal(ranks: list[int], sig: int) -> None:
     """An attached job's ranks are not signalled (their signal handlers are the job's)."""
 
@@ -579,24 +604,17 @@ def attach(
             time.sleep(0.2)  # the job's ranks have not all written their records yet
     links = JobLinks(found, ssh_args=ssh_args)
     session = secrets.token_hex(16)
-    client = {"host": socket.gethostname(), "pid": os.getpid(), "user": getpass.getuser()}
-    try:
-        answers = links.open_sessions(
-            {
-                "op": "session",
-                "session": session,
-                "client": client,
-                "take_over": bool(take_over),
-                "snapshot_key": new_key(),
-            }
-        )
-    except AttachError:
-        raise
+    client = {"host": socket.gethostname(), "pid": os.getpid(), "user": _user()}
+    answers = links.open_sessions(
+        {
+            "op": "session",
+            "session": session,
+            "client": client,
+            "take_over": bool(take_over),
+            "snapshot_key": new_key(),
+        }
+    )
     states = {rank: answer["state"] for rank, answer in answers.items()}
-    job = AttachedJob(links, states, hang_after=hang_after)
-    job._session = session
-    paused = {s.pause_target for s in states.values() if s.phase == "paused"}
-    if len(paused) == 1 and len([s for s in states.values() if s.phase == "paused"]) == len(states):
-        job._paused_step = paused.pop()  # a pause left by a notebook that went away: ours now
+    job = AttachedJob(links, states, session=session, hang_after=hang_after)
     log.info("attached to job %s (%d ranks)", job.job, len(states))
     return job

@@ -63,15 +63,11 @@ def _killed(process: subprocess.Popen[str]) -> None:
 
 
 def test_a_notebook_that_dies_while_the_job_is_paused_leaves_it_paused_for_its_timeout_only(
-    tmp_path,
+    tmp_path, unattached_run
 ):
     os.chmod(tmp_path, 0o700)
-    args = ["--steps", "8", "--step-sleep", "0.05"]
-    plain = TorchrunJob(
-        tmp_path, 2, *args, "--out", str(tmp_path / "plain.pt"), attachable=False, name="plain"
-    )
-    job = TorchrunJob(tmp_path, 2, *args, "--out", str(tmp_path / "job.pt"), pause_timeout=4)
-    with plain, job:
+    args = ["--steps", "9", "--step-sleep", "0.05", "--out", str(tmp_path / "job.pt")]
+    with TorchrunJob(tmp_path, 2, *args, pause_timeout=4) as job:
         job.wait_attachable()
         first, seen = _notebook(job.job_folder, 3)
         assert seen == {"paused": 3, "steps": [3, 3]}
@@ -83,8 +79,7 @@ def test_a_notebook_that_dies_while_the_job_is_paused_leaves_it_paused_for_its_t
         _killed(second)
         # nobody comes back: the ranks resume by themselves and the job ends as unattached
         assert job.wait() == 0, job.output()
-        assert plain.wait() == 0, plain.output()
-    assert same_bits(tmp_path / "plain.pt", tmp_path / "job.pt")
+    assert same_bits(unattached_run, tmp_path / "job.pt")
 
 
 def test_a_rank_that_dies_while_attached_is_reported_and_torchrun_handles_it(tmp_path):

@@ -33,30 +33,18 @@ def _hold(release: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+def runs(tmp_path_factory: pytest.TempPathFactory, unattached_run: Path) -> Iterator[SimpleNamespace]:
     folder = tmp_path_factory.mktemp("attach-job")
     os.chmod(folder, 0o700)
-    released = folder / "released-from-the-start"
-    released.touch()
     release = folder / "release"
-    plain = TorchrunJob(
-        folder,
-        2,
-        *STEPS,
-        *_hold(released),
-        "--out",
-        str(folder / "plain.pt"),
-        attachable=False,
-        name="plain",
-    )
     job = TorchrunJob(folder, 2, *STEPS, *_hold(release), "--out", str(folder / "attached.pt"))
-    with plain, job:
+    with job:
         records = job.wait_attachable()
         attached = fsdp_interactive.attach(job.job_folder, hang_after=0.5)
         try:
             yield SimpleNamespace(
                 job=job,
-                plain=plain,
+                plain=unattached_run,
                 attached=attached,
                 records=records,
                 folder=folder,
@@ -169,6 +157,11 @@ def test_pause_at_step_5_then_views_tell_the_truth(runs):
         for piece in param.slices:
             assert piece.local_shape == shapes[piece.rank][param.fqn], (param.fqn, piece)
 
+    memory = views.memory()
+    assert [(m.rank, m.pid, m.device) for m in memory] == [
+        (r.rank, r.pid, "cpu") for r in runs.records
+    ]
+
     stats = views.summon("0.weight")
     job.run("_full = model[0].weight.full_tensor()", stream=False)
     full = job.pull("_full")[0]
@@ -231,8 +224,7 @@ def test_resume_then_detach_leave_the_job_computing_what_it_would_have(runs):
     job.detach()
     assert job.state == "detached"
     assert runs.job.wait() == 0, runs.job.output()
-    assert runs.plain.wait() == 0, runs.plain.output()
-    assert same_bits(runs.folder / "plain.pt", runs.folder / "attached.pt")
+    assert same_bits(runs.plain, runs.folder / "attached.pt")
     assert not runs.job.job_folder.exists()  # the ranks removed their records as they ended
 
 

@@ -11,7 +11,8 @@ authenticated by an HMAC challenge both ways under the rank's key), which answer
 
 * ``status`` -> ``{"state": RankState}`` (:mod:`._job_phase`);
 * ``session`` opens the notebook's session link (:mod:`._attach_session`);
-* with the session's id: ``pause`` (``step``) -> ``{"count", "paused"}``;
+* with the session's id: ``pause`` (``step``; ``None``: the next) -> ``{"count",
+  "target", "paused"}``;
   ``wait_paused`` (``timeout``) -> ``{"paused"}``; ``resume``; ``detach``; and, while
   paused, in the training thread: ``run`` (``code``, ``cell``) -> a
   :class:`._paused_cells.CellOutcome`; ``pull`` (``name``) -> ``{"value"}``; ``push``
@@ -187,7 +188,7 @@ class AttachService:
 
     def _handlers(self) -> dict[str, _agent.Handler]:
         sessioned: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "pause": lambda r: self.pause.request(_step(r.get("step"))),
+            "pause": lambda r: self.pause.request(_step_or_next(r.get("step"))),
             "wait_paused": lambda r: {"paused": self.pause.wait_paused(float(r["timeout"]))},
             "resume": lambda r: self.pause.resume() or {"ok": True},
             "run": self._run,
@@ -320,7 +321,10 @@ class AttachService:
                 os.environ[name] = value
 
 
-def _step(value: Any) -> int:
+def _step_or_next(value: Any) -> int | None:
+    """A pause request's step (``None``: the rank's next one)."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"step must be an optimizer step number >= 1, got {value!r}")
     return value

@@ -74,19 +74,21 @@ class JobPause:
         point = self._point
         return point.step if point is not None and self._paused.is_set() else None
 
-    def request(self, step: int) -> dict[str, Any]:
-        """Pause after optimizer step ``step``; ``{"count", "paused"}``: the steps this
-        rank had completed when the request was set, and the step it is paused after
-        (``None``: running). A rank paused at another step goes on to ``step``."""
+    def request(self, step: int | None) -> dict[str, Any]:
+        """Pause after optimizer step ``step`` (``None``: the next one); ``{"count",
+        "target", "paused"}``: the steps this rank had completed when the request was set,
+        the step it will pause after, and the step it is paused after (``None``: running).
+        A rank paused at another step goes on to ``target``."""
         with self._lock:
             self._deadline = None
             count = self.boundary.stop_at(step, self._serve)
+            target = self.boundary.target
             paused = self.paused_step
-            if paused is not None and paused != step:
+            if paused is not None and paused != target:
                 self._queue.put(_RESUME)
                 paused = None
-        log.debug("pause requested after step %d (at step %d)", step, count)
-        return {"count": count, "paused": paused}
+        log.debug("pause requested after step %s (at step %d)", target, count)
+        return {"count": count, "target": target, "paused": paused}
 
     def wait_paused(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for the pause; the step paused after, or ``None``."""

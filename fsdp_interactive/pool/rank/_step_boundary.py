@@ -10,10 +10,12 @@ public since torch 2.0), which works for any optimizer, the script unmodified:
 * ``boundary.count``: the optimizer steps completed in this process so far. The count
   follows one optimizer, the first that steps (a script with two optimizers, a GAN's,
   counts the first one's steps), or the one given to :meth:`StepBoundary.follow`;
-* ``boundary.stop_at(step, on_stop)``: right after step ``step`` completes, the training
-  thread calls ``on_stop(StopPoint)`` and goes on when it returns; the request replaces
+* ``boundary.stop_at(step, on_stop)``: right after step ``step`` (``None``: the next
+  one) completes, the training thread calls ``on_stop(StopPoint)`` and goes on when it
+  returns (an exception it raises comes out of ``optimizer.step()``); the request replaces
   an earlier one and returns the count at the moment it was set (a count at or past
   ``step`` means this rank passed it: the request stays, and does not fire);
+  ``boundary.target``: the step asked for;
 * ``boundary.cancel()``; ``boundary.stopped``: the :class:`StopPoint` while ``on_stop``
   runs, else ``None``.
 
@@ -64,13 +66,15 @@ class StepBoundary:
         """Count the steps of ``optimizer`` (instead of the first optimizer that steps)."""
         self._followed = weakref.ref(optimizer)
 
-    def stop_at(self, step: int, on_stop: Callable[[StopPoint], None]) -> int:
-        """Stop the training thread after optimizer step ``step`` (see the module); the
-        count when the request was set."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    def stop_at(self, step: int | None, on_stop: Callable[[StopPoint], None]) -> int:
+        """Stop the training thread after optimizer step ``step`` (``None``: the next one,
+        chosen under the same lock as the count); the count when the request was set
+        (see the module)."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
             raise ValueError(f"step must be an optimizer step number >= 1, got {step!r}")
         with self._lock:
-            self._target, self._on_stop = step, on_stop
+            self._target = self.count + 1 if step is None else step
+            self._on_stop = on_stop
             return self.count
 
     def cancel(self) -> None:
