@@ -92,6 +92,8 @@ def _rank_train_until(
             break
         times.append(timed_steps(model, optim, batch, 1).wall)
         time.sleep(sleep_s)
+    if not times:
+        raise RuntimeError("the job stopped before it took a step")
     return {"step_s": statistics.median(times[2:] or times), "steps": len(times)}
 
 
