@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
@@ -52,6 +53,13 @@ class JobLinks:
         self.records = {r.rank: r for r in found.records}
         self._tunnels: list[SshTunnel] = []
         self._folder: str | None = None
+        self._links: dict[int, Connection] = {}
+        self._said: dict[int, list[dict[str, Any]]] = {}
+        self._requests: dict[int, Connection] = {}
+        self._request_locks = {rank: threading.Lock() for rank in self.records}
+        self._pool = ThreadPoolExecutor(
+            max_workers=min(32, max(1, len(self.records))), thread_name_prefix="fsdpi-job"
+        )
         addresses: dict[int, _agent_wire.Address] = {}
         by_host: dict[str, list[tuple[str, str]]] = {}
         for rank, record in self.records.items():
@@ -78,8 +86,6 @@ class JobLinks:
         self.agents = RankAgents(
             addresses, {r: rec.key_bytes for r, rec in self.records.items()}, timeout=timeout
         )
-        self._links: dict[int, Connection] = {}
-        self._said: dict[int, list[dict[str, Any]]] = {}
 
     def _private_folder(self) -> str:
         if self._folder is None:
@@ -140,31 +146,46 @@ class JobLinks:
         self, ranks: Sequence[int], request: dict[str, Any], timeout: float | None = None
     ) -> tuple[dict[int, Any], dict[int, str]]:
         """``request`` to every rank of ``ranks`` at once: ``(replies, failures)``, a
-        failure being what the rank raised or why it did not answer in time."""
+        failure being what the rank raised or why it did not answer in time.
+
+        Each rank's requests go over one kept connection (authenticated once): a fresh
+        connection per request costs a handshake of four messages, each of which waits
+        for the rank's agent thread to get the interpreter from the training thread."""
         limit = self.agents.timeout if timeout is None else timeout
-
-        def one(rank: int) -> Any:
-            return self.agents.ask_one(rank, request, limit)
-
         replies: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        if not ranks:
-            return replies, failures
-        with ThreadPoolExecutor(
-            max_workers=min(32, len(ranks)), thread_name_prefix="fsdpi-job"
-        ) as pool:
-            futures = {rank: pool.submit(one, rank) for rank in ranks}
-            for rank, future in futures.items():
-                try:
-                    replies[rank] = future.result()
-                except Exception as error:
-                    text = str(error)
-                    failures[rank] = (
-                        text.split("agent failed: ", 1)[-1]
-                        if "agent failed" in text
-                        else (f"no answer ({type(error).__name__}: {text})")
-                    )
+        futures = {rank: self._pool.submit(self._ask_one, rank, request, limit) for rank in ranks}
+        for rank, future in futures.items():
+            try:
+                replies[rank] = future.result()
+            except Exception as error:
+                text = str(error)
+                failures[rank] = (
+                    text.split("agent failed: ", 1)[-1]
+                    if "agent failed" in text
+                    else (f"no answer ({type(error).__name__}: {text})")
+                )
         return replies, failures
+
+    def _ask_one(self, rank: int, request: dict[str, Any], limit: float) -> Any:
+        with self._request_locks[rank]:
+            conn = self._requests.get(rank)
+            if conn is None:
+                conn = _agent_wire.connect(
+                    self.agents.addresses[rank], self.records[rank].key_bytes, limit
+                )
+                self._requests[rank] = conn
+            try:
+                _agent_wire.set_timeout(conn.fileno(), limit)
+                _agent_wire.send(conn, request)
+                reply = conn.recv()
+            except BaseException:
+                del self._requests[rank]  # a broken or late answer: never reused
+                conn.close()
+                raise
+        if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
+            raise RuntimeError(f"rank {rank}'s agent failed: {reply['error']}")
+        return reply
 
     def said(self) -> dict[int, list[dict[str, Any]]]:
         """What every rank sent unasked on its link so far (``exiting``, ``taken_over``)."""
@@ -203,6 +224,11 @@ class JobLinks:
     def close(self, goodbye: bool = True) -> None:
         """Say goodbye on every link (unless not ``goodbye``), close them, end the tunnels."""
         links, self._links = self._links, {}
+        requests, self._requests = self._requests, {}
+        for conn in requests.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        self._pool.shutdown(wait=False)
         for conn in links.values():
             if goodbye:
                 with contextlib.suppress(OSError, ValueError):

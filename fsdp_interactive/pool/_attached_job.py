@@ -220,7 +220,7 @@ class AttachedJob:
         if self._detached:
             raise JobError(f"this notebook detached from job {self.job}", ATTACH)
         threshold = self.hang_after if hang_after is None else float(hang_after)
-        replies = self._links.agents.ask(self._links.ranks, {"op": "status"})
+        replies, _ = self._links.ask(self._links.ranks, {"op": "status"})
         states = {rank: reply["state"] for rank, reply in replies.items()}
         self._note_devices(states)
         gone = {rank: f"gone ({why})" for rank, why in self._links.gone().items()}
