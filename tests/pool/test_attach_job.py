@@ -33,7 +33,9 @@ def _hold(release: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, unattached_run: Path) -> Iterator[SimpleNamespace]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, unattached_run: Path
+) -> Iterator[SimpleNamespace]:
     folder = tmp_path_factory.mktemp("attach-job")
     os.chmod(folder, 0o700)
     release = folder / "release"
