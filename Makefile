@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # any torch in the range pyproject.toml allows.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-stress lint clean bench bench-gpu gpu-check setup-torch test-torch \
+.PHONY: setup demo test test-stress lint docs clean bench bench-gpu gpu-check setup-torch test-torch \
 	setup-system-python test-system-python
 
 $(STAMP): pyproject.toml
@@ -22,8 +22,14 @@ demo: setup
 	$(VENV)/bin/fsdp-interactive demo
 
 lint: setup
-	$(VENV)/bin/ruff check fsdp_interactive tests bench
-	$(VENV)/bin/ruff format --check fsdp_interactive tests bench
+	$(VENV)/bin/ruff check fsdp_interactive tests bench docs
+	$(VENV)/bin/ruff format --check fsdp_interactive tests bench docs
+
+# The magic reference (docs/magics.md, from the magics' parsers) and the API reference
+# (pdoc, from the docstrings, into out/docs/api/index.html); fails on a pdoc warning or a
+# public name without a docstring. make test checks both (tests/docs/test_reference.py).
+docs: setup
+	$(PY) docs/reference.py
 
 # pytest's exit code 5 (nothing collected) is reported as a failure: this suite always has tests.
 test: setup lint
@@ -97,7 +103,7 @@ test-system-python: setup-system-python
 	$(SYSTEM_VENV)/bin/python -m pytest $(SYSTEM_TESTS) --durations=10 $(PYTEST_ARGS)
 
 # Benchmarks against torchrun, raw ipyparallel, torch FSDP1 and fully_shard: rewrites
-# docs/benchmarks.md (+ .png, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
+# docs/benchmarks.md and its appendix (+ plots, .json). Smoke run: make bench BENCH_ARGS='--quick --out /tmp/bench'
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
 

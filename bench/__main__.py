@@ -1,8 +1,9 @@
 """``python -m bench``: run every benchmark figure and write the report.
 
 Options: ``--quick`` (small sizes, few repetitions: the CI smoke run, under two minutes),
-``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks.png`` and the
-raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures, by key),
+``--out DIR`` (default ``docs/``: writes ``benchmarks.md``, ``benchmarks-appendix.md``,
+the plots and the raw samples ``benchmarks.json``), ``--only a,b`` (a subset of figures,
+by key; the figures of :data:`ON_REQUEST` run only when named here),
 ``--samples N`` (alternated one-step samples per contender of the training-step and
 recorder-cost figures, default 200), ``--render-only`` (re-render the report from an existing ``benchmarks.json``),
 ``--gpu`` (the CUDA/NCCL figure, :mod:`bench.gpu`, merged into the report),
@@ -38,8 +39,15 @@ FIGURES: tuple[str, ...] = (
     "checkpoint",
     "debug_cost",
     "state_scaling",
+    "hang_watch",
     "attach",
 )
+#: Figures too long for every run (minutes of GPT-2 small on fresh processes each): run by
+#: ``--only recovery --merge`` (or ``snapshot_cost``), which replaces the figure in
+#: ``benchmarks.json`` and re-renders the report around it.
+ON_REQUEST: tuple[str, ...] = ("recovery", "snapshot_cost")
+#: Every figure key, in report order.
+REPORT_ORDER: tuple[str, ...] = (*FIGURES, *ON_REQUEST, "gpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         type=_figure_list,
         default=FIGURES,
-        help=f"comma-separated figure keys out of {','.join(FIGURES)}",
+        help=f"comma-separated figure keys out of {','.join(FIGURES + ON_REQUEST)}",
     )
     parser.add_argument(
         "--gpu",
@@ -97,10 +105,10 @@ def _positive(text: str) -> int:
 
 def _figure_list(text: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in keys if k not in FIGURES]
+    unknown = [k for k in keys if k not in FIGURES + ON_REQUEST]
     if not keys or unknown:
         raise argparse.ArgumentTypeError(
-            f"--only expects figure keys out of {', '.join(FIGURES)}; got {text!r}"
+            f"--only expects figure keys out of {', '.join(FIGURES + ON_REQUEST)}; got {text!r}"
         )
     return keys
 
@@ -130,12 +138,18 @@ def _merged(previous: Path, measured: list[FigureResult]) -> list[FigureResult]:
         if not figure.measured:
             figure.measured = (
                 f"in an earlier run, from {info.started} (load average {info.load_before}) to "
-                f"{info.finished} (load average {info.load_after}), `{info.command}`"
+                f"{info.finished} (load average {info.load_after})"
             )
+            figure.command = figure.command or info.command
     by_key = {f.key: f for f in kept}
     by_key.update({f.key: f for f in measured})
-    order = {key: index for index, key in enumerate(FIGURES)}
+    order = {key: index for index, key in enumerate(REPORT_ORDER)}
     return sorted(by_key.values(), key=lambda f: order.get(f.key, len(order)))
+
+
+def _command(argv: list[str] | None) -> str:
+    """The command line of this run, as the report names it."""
+    return ("python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,18 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         if not results.is_file():
             parser.error(f"--render-only needs {results} from an earlier run; it does not exist")
         info, figures = load_results(results)
-        paths = write_report(info, figures, args.out)
+        paths = write_report(info, figures, args.out, command=_command(argv))
         print(f"re-rendered {paths['md']} and {paths['png']}")
         return 0
     if args.gpu:
         args.only, args.merge = ("gpu",), True
-    command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = _command(argv)
     settings = Settings(quick=args.quick, samples=args.samples)
-    info = RunInfo.collect(quick=args.quick, command=command.strip())
+    info = RunInfo.collect(quick=args.quick, command=command)
     figures = []
     for key in args.only:
         print(f"[bench] {key} ...", flush=True)
         result = run_figure(key, settings)
+        result.command = command
         status = "FAILED" if result.error else "done"
         print(f"[bench] {key} {status} in {result.seconds:.0f} s", flush=True)
         if result.error:

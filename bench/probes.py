@@ -174,9 +174,9 @@ def run(settings: Settings) -> FigureResult:
     for world in worlds:
         with ipython_shell() as shell, contextlib.ExitStack() as stack:
             pool = stack.enter_context(magic_pool(shell, world))
-            probe = RankModel(pool, "model")
             for params in sizes:
                 pool.run(_BUILD.format(layers=params // 2), stream=False, timeout=300)
+                probe = RankModel(pool, "model")  # made once the model exists: it looks it up
                 first = probe.layout().params[0].fqn
                 samples = _rotated_samples(_probe_calls(probe, first), reps)
                 for name, values in samples.items():

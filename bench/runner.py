@@ -358,6 +358,8 @@ class FigureResult:
     curves: list[Curve] = field(default_factory=list)
     # When it ran and the machine's load then: "2026-12-03 13:10 UTC, load average ...".
     measured: str = ""
+    # The command that measured it ("" where it was not recorded).
+    command: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -366,6 +368,7 @@ class FigureResult:
             "comparisons": [c.to_dict() for c in self.comparisons],
             "curves": [c.to_dict() for c in self.curves],
             "measured": self.measured,
+            "command": self.command,
             "measurements": {k: v.to_dict() for k, v in self.measurements.items()},
             "notes": list(self.notes),
             "error": self.error,
@@ -380,6 +383,7 @@ class FigureResult:
             comparisons=[Comparison.from_dict(c) for c in data["comparisons"]],
             curves=[Curve.from_dict(c) for c in data.get("curves", [])],
             measured=data.get("measured", ""),
+            command=data.get("command", ""),
             measurements={k: Stat.from_dict(v) for k, v in data["measurements"].items()},
             notes=list(data["notes"]),
             error=data["error"],

@@ -1,5 +1,8 @@
-"""What a snapshot costs on CPU ranks, next to a disk checkpoint, and how fast one restores
-(a script, not a figure).
+"""Figure: snapshot cost: what a snapshot costs on CPU ranks, next to a disk checkpoint,
+and how fast one restores.
+
+Snapshots in host memory of GPT-2 small against a disk checkpoint, and the training rate
+they leave (a figure run on request: ``python -m bench --only snapshot_cost --merge``).
 
 GPT-2 small built from its config (``GPT2Config()``: 124M parameters), wrapped per
 ``GPT2Block`` with ``fsdp_interactive.fsdp.FullyShardedDataParallel``, AdamW after one
@@ -34,7 +37,21 @@ from typing import Any
 
 from bench.ranks import run_on_ranks
 from bench.run_info import now_and_load
-from bench.runner import rotated
+from bench.runner import Comparison, FigureResult, Settings, Stat, Target, rotated
+
+TITLE = "Snapshot cost (GPT-2 small: host memory against disk)"
+SYNC = "snapshot (sync)"
+BLOCKING = "snapshot (background, blocking part)"
+DISK = "checkpoint.save to disk"
+RESTORE = "restore_snapshot"
+RESTORE_RATE = "restore_snapshot, GB per second per host"
+RATE_TARGET_GB_S = 2.0
+#: Rows of the training-rate comparison: contender -> its name in the report.
+RATE_NAMES = {
+    "none": "steps/s without snapshots",
+    "background": "steps/s, a background snapshot every {every} steps",
+    "sync": "steps/s, a synchronous snapshot every {every} steps",
+}
 
 
 def _build() -> tuple[Any, Any, Any]:
@@ -187,6 +204,81 @@ def _rank(shm_root: str, disk_root: str, samples: int, rate_steps: int, every: i
     }
 
 
+def figure(result: dict, ranks: int, rate_steps: int, every: int) -> FigureResult:
+    """The figure of one measurement (what ``_rank`` returned on rank 0)."""
+    case = f"{ranks} ranks"
+    out = FigureResult("snapshot_cost", TITLE)
+    out.notes.append(
+        f"GPT-2 small ({result['parameters'] / 1e6:.1f}M parameters) + AdamW; contenders "
+        "alternated sample by sample, timed on rank 0 barrier to barrier; the first round "
+        "warms up, untimed."
+    )
+    seconds = {name: Stat(values, "s") for name, values in result["seconds"].items()}
+    for name, stat in seconds.items():
+        out.measurements[f"{case}: {name}"] = stat
+    for name, values in result["cpu"].items():
+        out.measurements[f"{case}: CPU seconds of rank 0, {name}"] = Stat(values, "CPU-s")
+    host_bytes = max(result["bytes_per_host"].values())
+    rate = Stat([host_bytes / t / 1e9 for t in result["seconds"][RESTORE]], "GB/s")
+    out.measurements[f"{case}: {RESTORE_RATE}"] = rate
+    rows = [
+        (BLOCKING, DISK, seconds, Target("<=", 0.2), ""),
+        (SYNC, DISK, seconds, None, "no target: a synchronous snapshot beside a disk save"),
+        (
+            RESTORE_RATE,
+            f"{RATE_TARGET_GB_S:g} GB/s per host",
+            {RESTORE_RATE: rate, f"{RATE_TARGET_GB_S:g} GB/s per host": Stat([2.0], "GB/s")},
+            Target(">=", 1.0),
+            "",
+        ),
+    ]
+    if result["rates"]:
+        steps = {
+            RATE_NAMES[k].format(every=every): Stat([rate_steps / v for v in values], "steps/s")
+            for k, values in result["rates"].items()
+        }
+        out.measurements.update({f"{case}: {name}": stat for name, stat in steps.items()})
+        plain = RATE_NAMES["none"]
+        for kind in ("background", "sync"):
+            rows.append(
+                (RATE_NAMES[kind].format(every=every), plain, steps, Target(">=", 0.97), "")
+            )
+    for subject, reference, stats, target, note in rows:
+        out.comparisons.append(
+            Comparison(
+                figure=out.key,
+                case=case,
+                subject_name=subject,
+                reference_name=reference,
+                subject=stats[subject],
+                reference=stats[reference],
+                target=target,
+                note=note,
+                paired=len(stats[subject].samples) == len(stats[reference].samples) > 1,
+            )
+        )
+    return out
+
+
+def measure(ranks: int, samples: int, rate_steps: int, every: int) -> tuple[dict, FigureResult]:
+    """Run the measurement on ``ranks`` fresh gloo ranks; its raw result and its figure."""
+    shm = tempfile.mkdtemp(prefix="fsdpi-bench-snapshots-", dir="/dev/shm")
+    disk = tempfile.mkdtemp(prefix="fsdpi-bench-checkpoints-", dir="/tmp")
+    try:
+        result = run_on_ranks(ranks, _rank, shm, disk, samples, rate_steps, every, timeout=7200)[0]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    return result, figure(result, ranks, rate_steps, every)
+
+
+def run(settings: Settings) -> FigureResult:
+    """Snapshot cost at 2 ranks: 3 samples and 20-step rate loops (1 and 4 in quick mode)."""
+    if settings.quick:
+        return measure(2, 1, 4, 2)[1]
+    return measure(2, settings.samples or 3, 20, 10)[1]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.snapshot_cost")
     parser.add_argument("--ranks", type=int, default=2)
@@ -197,22 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=10, help="steps between snapshots")
     args = parser.parse_args(argv)
     print(f"started {now_and_load()}", flush=True)
-    shm = tempfile.mkdtemp(prefix="fsdpi-bench-snapshots-", dir="/dev/shm")
-    disk = tempfile.mkdtemp(prefix="fsdpi-bench-checkpoints-", dir="/tmp")
-    try:
-        result = run_on_ranks(
-            args.ranks,
-            _rank,
-            shm,
-            disk,
-            args.samples,
-            args.rate_steps,
-            args.every,
-            timeout=7200,
-        )[0]
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
+    result = measure(args.ranks, args.samples, args.rate_steps, args.every)[0]
     medians = {name: statistics.median(values) for name, values in result["seconds"].items()}
     print(
         f"GPT-2 small ({result['parameters'] / 1e6:.1f}M parameters) + AdamW, {args.ranks} CPU ranks"

@@ -76,9 +76,11 @@ class StepCounter:
         return f"StepCounter({self.value})"
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"value": step}``: what a checkpoint or snapshot saves."""
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set the step to a saved value (checked to be a non-negative integer)."""
         self.value = _checked(state["value"])
 
 

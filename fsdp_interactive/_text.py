@@ -1,4 +1,5 @@
-"""Plain-text formatting shared by every layer: byte sizes, numbers, fixed-width tables.
+"""Plain-text formatting shared by every layer: byte sizes, numbers, fixed-width tables,
+long lists cut short, and the close matches of a name that does not exist.
 
 A leaf module: it imports nothing from the package, so the notebook views, the demo and
 the command line can all use it without depending on one another.
@@ -6,8 +7,9 @@ the command line can all use it without depending on one another.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -63,3 +65,27 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(headers), line(["-" * w for w in widths])]
     out.extend(line(row) for row in cells)
     return "\n".join(out)
+
+
+def first_few(items: Sequence[str], shown: int = 3, separator: str = "; ") -> str:
+    """The first ``shown`` of ``items`` joined by ``separator``, and how many more:
+    ``"a; b; c; and 25 more"``; all of them when there are no more than ``shown + 1``."""
+    if len(items) <= shown + 1:
+        return separator.join(items)
+    return separator.join([*items[:shown], f"and {len(items) - shown} more"])
+
+
+def close_matches(name: str, candidates: Iterable[str], count: int = 3) -> list[str]:
+    """The ``count`` names of ``candidates`` closest to ``name`` (closest first), those
+    close enough to be a typo of it (difflib's ratio of 0.6 or more)."""
+    return difflib.get_close_matches(name, list(dict.fromkeys(candidates)), count, 0.6)
+
+
+def did_you_mean(name: str, candidates: Iterable[str], count: int = 3) -> str:
+    """``"did you mean 'model'?"`` (``"'a', 'b' or 'c'"`` for several) naming the close
+    matches of ``name`` among ``candidates``; ``""`` when none is close."""
+    found = [repr(match) for match in close_matches(name, candidates, count)]
+    if not found:
+        return ""
+    names = found[0] if len(found) == 1 else ", ".join(found[:-1]) + " or " + found[-1]
+    return f"did you mean {names}?"

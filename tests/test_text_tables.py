@@ -50,3 +50,21 @@ def test_the_topology_table_keeps_its_layout():
         "3     1           b       3010  cuda:1 (of 1,3)  nccl     3",
     ]
     assert format_table([]).splitlines()[0].startswith("rank  local_rank  host")
+
+
+def test_a_long_list_is_cut_to_its_first_few_and_a_count():
+    from fsdp_interactive._text import first_few
+
+    assert first_few(["a", "b", "c", "d"]) == "a; b; c; d"
+    assert first_few([f"t{i}" for i in range(28)]) == "t0; t1; t2; and 25 more"
+    assert first_few(["a", "b", "c"], 1, ", ") == "a, and 2 more"
+
+
+def test_did_you_mean_names_the_close_matches_or_nothing():
+    from fsdp_interactive._text import did_you_mean
+
+    assert did_you_mean("modle", ["model", "optim", "rank"]) == "did you mean 'model'?"
+    assert did_you_mean("modle", ["model", "moddle", "mode", "x"]) == (
+        "did you mean 'moddle', 'mode' or 'model'?"  # closest first (difflib's ratio)
+    )
+    assert did_you_mean("zzz", ["model"]) == ""

@@ -32,6 +32,7 @@ times, manifest, publish, rotation, what a load found and how it resharded.
 
 from __future__ import annotations
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint._convert import ConversionResult, from_full, to_full
 from fsdp_interactive.checkpoint._handle import SaveHandle, SaveResult
@@ -101,3 +102,5 @@ __all__ = [
     "to_full",
     "wait_for_pending_save",
 ]
+
+__dir__ = public_names(__name__)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive._text import first_few
 from fsdp_interactive._torch_compat import ShardedTensor, set_element
 from fsdp_interactive.checkpoint import _manifest, _state, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT
@@ -114,6 +115,15 @@ def verify_files(
         raise CorruptCheckpointError(f"checkpoint {path} is damaged: {text}", file=first_file)
 
 
+#: Items of a long mismatch list a message names; the error's attribute holds them all.
+_LISTED = 3
+
+
+def _counted(items: list[str], noun: str) -> str:
+    """``"28 tensors: a; b; c; and 25 more"``, or all of a short list."""
+    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}: {first_few(items, _LISTED)}"
+
+
 def _model_targets(
     current: dict[str, Any], metadata: Metadata, strict: bool, owned: set[int] | None = None
 ) -> tuple[dict[str, Any], list[str], list[str]]:
@@ -136,7 +146,8 @@ def _model_targets(
                 )
     if shapes:
         raise IncompatibleCheckpointError(
-            "checkpoint does not fit the model: shape mismatch for " + "; ".join(shapes),
+            f"checkpoint does not fit the model: shape mismatch for {_counted(shapes, 'tensor')}"
+            + ("; every one in error.shape_mismatches" if len(shapes) > _LISTED + 1 else ""),
             missing_keys=missing,
             unexpected_keys=unexpected,
             shape_mismatches=shapes,
@@ -144,9 +155,14 @@ def _model_targets(
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"missing keys (in the model, not in the checkpoint): {missing}")
+            parts.append(
+                f"missing keys (in the model, not in the checkpoint): {_counted(missing, 'key')}"
+            )
         if unexpected:
-            parts.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
+            parts.append(
+                "unexpected keys (in the checkpoint, not in the model): "
+                + _counted(unexpected, "key")
+            )
         raise IncompatibleCheckpointError(
             "checkpoint does not fit the model (strict=True): "
             + "; ".join(parts)

@@ -100,6 +100,8 @@ class RNGState:
         return torch.cuda.is_initialized() if self.cuda is None else self.cuda
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's generator states: torch's CPU generator, the current CUDA device's where
+        there is one, and Python's and NumPy's when asked for."""
         state: dict[str, Any] = {"torch": torch.get_rng_state()}
         if self._with_cuda():
             state["cuda_device"] = torch.cuda.get_rng_state("cuda")  # the current device
@@ -117,6 +119,7 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Set the generators to a saved state (or seed them, when the state is a seed)."""
         if "seed" in state_dict:
             self._seed(int(state_dict["seed"]))
             return
@@ -165,6 +168,8 @@ class RNGState:
     def reshard_state(
         self, saved: Sequence[dict[str, Any]], rank: int, world_size: int
     ) -> dict[str, Any]:
+        """The saved states for a new world size: one state shared by every rank stays shared; per-
+        rank states go to the ranks that saved them, and new ranks get a seed derived from them."""
         first = state_digest(saved[0])
         if all(state_digest(s) == first for s in saved[1:]):
             return saved[0]

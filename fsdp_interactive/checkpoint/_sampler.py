@@ -100,6 +100,8 @@ class ResumableDistributedSampler(DistributedSampler):
         return self._start + self.rank + self._served * self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
+        """Where the sampler is: epoch and position, with the settings a resume must match (dataset
+        size, seed, shuffle, drop_last)."""
         return {
             "epoch": self.epoch,
             "position": self.position(),
@@ -110,6 +112,8 @@ class ResumableDistributedSampler(DistributedSampler):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a saved position; settings that differ from this sampler's raise
+        ``ValueError`` naming them."""
         for key, here in (
             ("dataset_size", self._size()),
             ("seed", self.seed),
@@ -128,6 +132,8 @@ class ResumableDistributedSampler(DistributedSampler):
     def reshard_state(
         self, saved: Sequence[dict[str, Any]], rank: int, world_size: int
     ) -> dict[str, Any]:
+        """The position for a new world size: every rank resumes the saved epoch from the earliest
+        saved position, so no sample is skipped."""
         epoch = min(int(s["epoch"]) for s in saved)
         start = min(int(s["position"]) for s in saved if int(s["epoch"]) == epoch)
         return {**saved[0], "epoch": epoch, "position": start + rank}

@@ -57,9 +57,11 @@ SECTIONS = {GLOBAL: "stateful", PER_RANK: "stateful_per_rank"}
 class Stateful(Protocol):
     """An object whose state a checkpoint saves and restores."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state, to be saved."""
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state a ``state_dict()`` call returned."""
 
 
 @runtime_checkable
@@ -74,7 +76,9 @@ class PerRankStateful(Stateful, Protocol):
 
     def reshard_state(
         self, saved: Sequence[dict[str, Any]], rank: int, world_size: int
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, Any]:
+        """The state that rank ``rank`` of a world of ``world_size`` ranks loads, from the states
+        ranks ``0..len(saved)-1`` saved."""
 
 
 def kind_of(obj: Stateful) -> str:

@@ -1,5 +1,6 @@
 """Small, dependency-free models and data used by the demo, the tutorials and the benchmarks."""
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.examples.transformer import (
     TinyTransformer,
     TransformerBlock,
@@ -7,3 +8,5 @@ from fsdp_interactive.examples.transformer import (
 )
 
 __all__ = ["TinyTransformer", "TransformerBlock", "synthetic_batch"]
+
+__dir__ = public_names(__name__)

@@ -12,6 +12,7 @@ Rank side only: importing this module never touches CUDA.
 
 from __future__ import annotations
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -49,3 +50,5 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
 ]
+
+__dir__ = public_names(__name__)

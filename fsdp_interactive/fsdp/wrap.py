@@ -27,6 +27,8 @@ from torch.distributed.fsdp.wrap import (
     wrap,
 )
 
+from fsdp_interactive._lazy_exports import public_names
+
 __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
@@ -37,3 +39,5 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "wrap",
 ]
+
+__dir__ = public_names(__name__)

@@ -19,6 +19,10 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
   its ``ValueError`` for a value over the limit contains ``TOO_LARGE``.
   ``full_param(model, fqn)``: one whole parameter as a CPU tensor, however it is wrapped.
 * ``GradNormRecorder(model)``: per-step norms from a training loop.
+* ``check_sources(namespace, sources)``: what is wrong with the variables a view names.
+  An argument the caller got wrong raises ``ProbeInputError`` (a ``ValueError``), a name
+  that is neither a parameter nor a module ``UnknownName`` (a ``KeyError``), each naming
+  the close matches.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fsdp_interactive._lazy_exports import lazy_exports
 # probes (and the wrapping's refusal) import torch, so they are imported when first used
 # (on the ranks): a kernel that shows a record never imports torch for it.
 from fsdp_interactive.inspect._records import (
+    NO_GRADIENTS,
     GradNormRecord,
     GradNorms,
     MemoryStats,
@@ -59,13 +64,26 @@ _LAZY = {
     "edit_param": f"{_INSPECT}._summon",
     "summon_stats": f"{_INSPECT}._summon",
     "UnsupportedWrapping": "fsdp_interactive.wrapping",
+    "UnknownName": "fsdp_interactive.wrapping",
+    "ProbeInputError": f"{_INSPECT}._inputs",
+    "check_sources": f"{_INSPECT}._inputs",
 }
 
+
+#: Declared for the API reference (imported above from ``_records``):
+NO_GRADIENTS: str
+"""What a gradient-norm record (its ``repr``) and the views say before the first backward."""
+
+#: Declared for the API reference (the value comes from ``_pull`` when first used):
+TOO_LARGE: str
+"""The words in the ``ValueError`` of ``plain_copy`` and ``full_param`` for a value over
+the size limit."""
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
+    "NO_GRADIENTS",
     "TOO_LARGE",
     "GradNormRecord",
     "GradNormRecorder",
@@ -73,11 +91,14 @@ __all__ = [
     "MemoryStats",
     "ModelLayout",
     "ParamLayout",
+    "ProbeInputError",
     "RankLayout",
     "RankTotals",
     "ShardSlice",
     "TensorStats",
+    "UnknownName",
     "UnsupportedWrapping",
+    "check_sources",
     "clean_name",
     "combine_norms",
     "edit_param",

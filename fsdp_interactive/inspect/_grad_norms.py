@@ -10,6 +10,7 @@ from torch import nn
 
 from fsdp_interactive._torch_compat import foreach_norm
 from fsdp_interactive.fsdp._comm_device import comm_device
+from fsdp_interactive.inspect._inputs import ProbeInputError
 from fsdp_interactive.inspect._records import GradNorms, combine_norms
 from fsdp_interactive.wrapping import ModelParams, model_params
 
@@ -17,7 +18,7 @@ from fsdp_interactive.wrapping import ModelParams, model_params
 def _check_norm_type(norm_type: float) -> float:
     norm_type = float(norm_type)
     if not (norm_type > 0 or math.isinf(norm_type)) or norm_type == -math.inf:
-        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        raise ProbeInputError(f"norm_type must be > 0 or inf, got {norm_type}")
     return norm_type
 
 

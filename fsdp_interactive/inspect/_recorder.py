@@ -189,6 +189,8 @@ class GradNormRecorder:
         return self._dropped + len(self._records)
 
     def clear(self) -> None:
+        """Forget every recorded step (what is still being gathered is awaited first) and count
+        steps from 0 again."""
         self.flush()
         with self._lock:
             self._records.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -77,6 +77,7 @@ class ParamLayout:
         return self.numel * self.element_size
 
     def slice_of(self, rank: int) -> ShardSlice | None:
+        """The slice of this parameter that ``rank`` holds, or ``None`` when it holds none."""
         for piece in self.slices:
             if piece.rank == rank:
                 return piece
@@ -147,6 +148,8 @@ class ModelLayout:
         return total
 
     def param(self, fqn: str) -> ParamLayout:
+        """The layout of the parameter named ``fqn`` (its clean name); ``KeyError`` naming some
+        known parameters when there is none."""
         for p in self.params:
             if p.fqn == fqn:
                 return p
@@ -192,6 +195,10 @@ def _with_every_rank(param: ParamLayout, ordered: list[RankLayout]) -> ParamLayo
     return replace(param, slices=slices)
 
 
+NO_GRADIENTS = "no gradients yet: run a backward pass on the ranks first"
+"""What a gradient-norm record or view says before the first backward."""
+
+
 @dataclass(frozen=True)
 class GradNorms:
     """Gradient norms of a model, the same on every rank.
@@ -203,7 +210,9 @@ class GradNorms:
     parameters whose gradient holds a NaN or an Inf, with their counts.  ``units`` maps an
     FSDP unit's FQN ("" is the root unit) -> the norm over the parameters it manages, and
     ``unit_of`` a parameter's FQN -> its unit; both are empty when no ``fully_shard``
-    manages the model's parameters.
+    manages the model's parameters.  Before the first backward no parameter has a
+    gradient: ``params`` is empty, ``total`` is 0.0 (as ``clip_grad_norm_`` returns) and the
+    record says "no gradients yet" when shown, as the views do (``has_gradients``: False).
     """
 
     norm_type: float
@@ -214,6 +223,17 @@ class GradNorms:
     inf_counts: dict[str, int] = field(default_factory=dict)
     units: dict[str, float] = field(default_factory=dict)
     unit_of: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether any parameter had a gradient (``False`` before the first backward)."""
+        return bool(self.params)
+
+    def __repr__(self) -> str:
+        if not self.has_gradients:
+            return f"GradNorms(norm_type={self.norm_type:g}, {NO_GRADIENTS})"
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"GradNorms({shown})"
 
     @property
     def nonfinite(self) -> list[str]:
@@ -314,6 +334,9 @@ def find_spikes(values: list[float], factor: float = 3.0, window: int = 20) -> l
 
 
 def record_to_json(record: GradNormRecord) -> dict[str, Any]:
+    """``record`` as a JSON-ready dict (NaN and infinities as strings); :func:`record_from_json`
+    reads it back."""
+
     def num(value: float) -> float | str:
         return value if math.isfinite(value) else str(value)
 

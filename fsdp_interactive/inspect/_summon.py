@@ -25,6 +25,7 @@ from fsdp_interactive._torch_compat import parameter_slots
 from fsdp_interactive.fsdp._summon import local_slice, summon_full_params
 from fsdp_interactive.fsdp._traversal import owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
+from fsdp_interactive.inspect._inputs import ProbeInputError
 from fsdp_interactive.inspect._records import TensorStats
 from fsdp_interactive.inspect._shard_stats import tensor_stats
 from fsdp_interactive.wrapping import OriginalParam, model_params
@@ -104,11 +105,15 @@ def edit_param(model: nn.Module, fqn: str, expression: str, bins: int = 40) -> T
     failing expression leaves the parameter unchanged.
     """
     if not isinstance(expression, str) or not expression.strip():
-        raise ValueError("expression must be a non-empty string such as 'x[0] = 0' or 'x * 0.5'")
+        raise ProbeInputError(
+            "expression must be a non-empty string such as 'x[0] = 0' or 'x * 0.5'"
+        )
     params = model_params(model)
     if not params.is_parameter(fqn):
         params.select(fqn)  # KeyError for a name that is neither
-        raise ValueError(f"edit_param edits one parameter; {fqn!r} is a module, name a parameter")
+        raise ProbeInputError(
+            f"edit_param edits one parameter; {fqn!r} is a module, name a parameter"
+        )
     param = params[params.resolve(fqn)]
     with torch.no_grad(), _editable_full(model, param) as target:
         candidate = target.clone()
@@ -121,7 +126,7 @@ def edit_param(model: nn.Module, fqn: str, expression: str, bins: int = 40) -> T
         else:
             result = eval(code, namespace)
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(target.shape):
-            raise ValueError(
+            raise ProbeInputError(
                 f"expression must give a tensor of shape {tuple(target.shape)}, got "
                 f"{type(result).__name__}"
                 + (f" of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else "")

@@ -6,7 +6,9 @@ through the probes in :mod:`fsdp_interactive.inspect`.
 * ``%load_ext fsdp_interactive`` registers ``%fsdp``, ``%%fsdp`` and ``%fsdp_auto``
   (:mod:`fsdp_interactive.notebook.magics`); ``current_pool()`` is the pool they started.
 * ``RankModel(pool, model="model", optimizer=None, recorder=None)``: the probes as plain
-  calls on a model living on the ranks.
+  calls on a model living on the ranks. Input the ranks cannot take (a variable they do
+  not have, an unknown parameter name) raises ``ProbeInputError`` (``UnknownNameError``
+  for a name) in the kernel, naming the close matches.
 * Views, each a widget in a live kernel and text/HTML elsewhere: ``LayoutView``,
   ``SummonPanel``, ``GradNormView``, ``GradNormMonitor``, ``Dashboard``,
   ``CheckpointPanel``, ``SnapshotPanel`` (snapshots in host memory and Recover).
@@ -29,6 +31,8 @@ _LAZY = {
     "Dashboard": "fsdp_interactive.notebook.dashboard",
     "CheckpointPanel": "fsdp_interactive.notebook.checkpoint_panel",
     "SnapshotPanel": "fsdp_interactive.notebook.snapshot_panel",
+    "ProbeInputError": "fsdp_interactive.notebook._probe_input",
+    "UnknownNameError": "fsdp_interactive.notebook._probe_input",
 }
 
 __all__ = sorted(_LAZY)

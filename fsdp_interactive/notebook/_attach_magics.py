@@ -61,7 +61,9 @@ class AttachMagics:
     )
     @argument("--wait", type=float, default=0.0, help="seconds to wait for a job just started")
     def _fsdp_attach(self, rest: str) -> None:
-        """%fsdp attach"""
+        """Attach to a running job started with python -m fsdp_interactive.attachable (or
+        fsdp_interactive.attachable() in its script): %fsdp status, stacks and trace then
+        read its ranks without stopping them; %fsdp pause stops them after a step."""
         args = self._parse(self._fsdp_attach, rest, "attach")
         if self.pool is not None and self.pool.running:
             what = (
@@ -110,7 +112,8 @@ class AttachMagics:
         help="arm the pause and return: the ranks stop when they get there",
     )
     def _fsdp_pause(self, rest: str) -> None:
-        """%fsdp pause"""
+        """Stop every rank of the attached job after the same optimizer step; %%fsdp cells,
+        %fsdp pull, %fsdp snapshot and the views then run on its ranks."""
         args = self._parse(self._fsdp_pause, rest, "pause")
         job = self._require_job("pause")
         if args.at_step is not None and args.at_step < 1:
@@ -130,6 +133,7 @@ class AttachMagics:
         )
 
     def _fsdp_resume(self, rest: str) -> None:
+        """Let the paused job go on."""
         if rest.strip():
             raise UsageError("%fsdp resume takes no arguments; type just %fsdp resume")
         job = self._require_job("resume")
@@ -137,6 +141,7 @@ class AttachMagics:
         print(f"job {job.job} runs on")
 
     def _fsdp_detach(self, rest: str) -> None:
+        """Leave the attached job (resumed if paused); it runs on as if never attached."""
         if rest.strip():
             raise UsageError("%fsdp detach takes no arguments; type just %fsdp detach")
         job = self._require_job("detach")
@@ -147,7 +152,8 @@ class AttachMagics:
     @magic_arguments()
     @argument("--native", action="store_true", help="add native (C/C++) frames (py-spy)")
     def _fsdp_stacks(self, rest: str) -> None:
-        """%fsdp stacks"""
+        """Every rank's stack with source lines, without stopping any (a pool's ranks or
+        an attached job's)."""
         args = self._parse(self._fsdp_stacks, rest, "stacks")
         stacks, where = self._require_pool().stacks(native=args.native)
         for rank in sorted(stacks):

@@ -7,7 +7,6 @@ shows for the running cell.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -103,9 +102,17 @@ def describe_value(value: Any) -> str:
     return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def usage_line(func: Any, command: str) -> str:
-    """``usage: %fsdp COMMAND [--option VALUE] ...`` for the subcommand whose options
-    ``func`` declares with ``magic_arguments``, on one line."""
-    usage = func.parser.format_usage()  # "::\n\n  %_fsdp_recover [--from ...]\n    [...]"
-    words = " ".join(usage.replace("::", " ").split())
-    return "usage: " + re.sub(r"^%\S+", f"%fsdp {command}", words)
+def cell_hang_notice(seconds: float | None, off: bool, command: str) -> float | bool | None:
+    """What ``--hang-notice S`` / ``--no-hang-notice`` of ``command`` ask for: seconds,
+    ``False`` (no notice) or ``None`` (neither given); ``UsageError`` for both, or for
+    seconds that are not > 0."""
+    if off and seconds is not None:
+        raise UsageError(f"{command}: type either --hang-notice S or --no-hang-notice, not both")
+    if off:
+        return False
+    if seconds is not None and not 0 < seconds < float("inf"):
+        raise UsageError(
+            f"{command} --hang-notice {seconds:g}: type a number of seconds > 0 "
+            "(or --no-hang-notice for none)"
+        )
+    return seconds

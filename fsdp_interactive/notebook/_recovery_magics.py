@@ -39,15 +39,29 @@ class RecoveryMagics:
         raise NotImplementedError
 
     @magic_arguments()
-    @argument("model", nargs="?", default=None, help="rank variable holding the model")
-    @argument("optimizer", nargs="?", default=None, help="rank variable holding the optimizer")
-    @argument("--stateful", default="", help="more rank variables to keep: sched,sampler")
+    @argument(
+        "model", nargs="?", default=None, metavar="MODEL", help="rank variable holding the model"
+    )
+    @argument(
+        "optimizer",
+        nargs="?",
+        default=None,
+        metavar="OPTIMIZER",
+        help="rank variable holding the optimizer",
+    )
+    @argument(
+        "--stateful",
+        default="",
+        metavar="NAMES",
+        help="more rank variables to keep: sched,sampler",
+    )
     @argument(
         "--step",
         default=None,
+        metavar="STEP",
         help="the training step it is taken at: a number, or a rank variable (a StepCounter)",
     )
-    @argument("--keep-last", type=int, default=1, help="snapshots kept in host memory")
+    @argument("--keep-last", type=int, default=1, metavar="K", help="snapshots kept in host memory")
     @argument(
         "--persist",
         default=None,
@@ -55,7 +69,8 @@ class RecoveryMagics:
         help="write the snapshot (the newest, without MODEL) to a checkpoint folder on disk",
     )
     def _fsdp_snapshot(self, rest: str) -> None:
-        """%fsdp snapshot"""
+        """Keep the ranks' training state in host memory (with a copy on the next host), for
+        %fsdp recover; --persist also writes it to a checkpoint folder on disk."""
         args = self._parse(self._fsdp_snapshot, rest, "snapshot")
         pool = self._require_pool()
         if args.keep_last < 1:
@@ -116,9 +131,10 @@ class RecoveryMagics:
         )
 
     @magic_arguments()
-    @argument("--last", type=int, default=None, help="show only the last N calls")
+    @argument("--last", type=int, default=None, metavar="N", help="show only the last N calls")
     def _fsdp_journal(self, rest: str) -> None:
-        """%fsdp journal"""
+        """The cells that built the ranks' state: outcome, time, whether a recovery replays
+        them and why, the snapshots they took; then what %fsdp recover would do now."""
         args = self._parse(self._fsdp_journal, rest, "journal")
         if self.pool is None:
             raise UsageError("no pool; start one with %fsdp start -n 2")
@@ -147,7 +163,9 @@ class RecoveryMagics:
     @argument("--world", type=int, default=None, metavar="N", help="ranks to recover onto")
     @argument("--dry-run", action="store_true", help="print the plan only")
     def _fsdp_recover(self, rest: str) -> None:
-        """%fsdp recover"""
+        """Back to the last snapshot after a fault (or at any time): a fresh group, the cells
+        that build what it restores replayed, the snapshot loaded; --world reshards onto
+        another number of ranks, --dry-run prints the plan."""
         args = self._parse(self._fsdp_recover, rest, "recover")
         if self.pool is None:
             raise UsageError("no pool to recover; start one with %fsdp start -n 2")

@@ -14,6 +14,9 @@ display shows, as it arrives:
   rank's progress lines and bars moving in place, each on its own line, tagged the same
   (displays are shown when the cell ends, grouped).
 
+A running cell's hang notice (ranks waiting in a collective others never reach) is one
+more moving line, shown whether or not the cell streams, in magics' words.
+
 Where the moving lines and bars are drawn is :mod:`._live_output`'s choice: displays
 updated in place in a Jupyter kernel, the stream's last line elsewhere. Lines are shown
 once complete; a partial line without a carriage return waits for its end (or for the
@@ -28,7 +31,7 @@ from fsdp_interactive._bar_state import BarState, bar_of
 from fsdp_interactive._lines import LineBuffer
 from fsdp_interactive.notebook._cell_output import StderrLines
 from fsdp_interactive.notebook._live_output import LiveOutput, live_output
-from fsdp_interactive.pool import RankDisplay
+from fsdp_interactive.pool import HangNotice, RankDisplay
 
 
 class StreamSink:
@@ -160,6 +163,15 @@ class StreamSink:
             kept.append(content)
         if self.live and not self.all_ranks and rank == self.first_rank:
             self.output.rich(rank, content, shown.display_id, shown.update)
+
+    # ------------------------------------------------------------------ hang notice
+
+    def hang(self, notice: HangNotice | None) -> None:
+        """Show a running cell's hang notice, updated in place (``None``: take it away)."""
+        if notice is None:
+            self.output.end_line(HangNotice.LINE_KEY, "stderr", None)
+        else:
+            self.output.line(HangNotice.LINE_KEY, "stderr", notice.text(notebook=True))
 
     # ------------------------------------------------------------------ record
 

@@ -217,6 +217,8 @@ class CheckpointPanel(StatusView):
         ]
 
     def text(self) -> str:
+        """The panel as plain text: the checkpoint folder, a row per checkpoint, the last action's
+        status."""
         head = f"checkpoints in {self.root}: {len(self.records)}"
         table = text_table(_HEADERS, self._rows()) if self.records else "(none yet)"
         return "\n".join(filter(None, [head, table, self.status]))

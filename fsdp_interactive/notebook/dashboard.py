@@ -61,6 +61,7 @@ class Dashboard(View):
         self.checkpoints = checkpoints
 
     def refresh(self) -> None:
+        """Ask the ranks again: the pool's health, every rank's memory and each tab's view."""
         self.health = self.source.pool.check()
         if not self.source.pool.running:
             self.memory = []
@@ -94,6 +95,7 @@ class Dashboard(View):
         return self.health.lines(notebook=True)
 
     def text(self) -> str:
+        """The dashboard as plain text: ranks and topology, memory, then each tab's view."""
         sections = [
             "== ranks ==\n"
             + "\n".join([*self._state_lines(), topology_text(self.source.topology())]),

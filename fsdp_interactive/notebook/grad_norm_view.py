@@ -48,6 +48,8 @@ class GradNormView(View):
         )
 
     def refresh(self) -> GradNorms:
+        """Ask the ranks for the gradient norms again (the Refresh button does the same) and return
+        them; a view built from fixed data raises ``RuntimeError``."""
         if self.source is None:
             raise RuntimeError("this view was built from fixed data; build it from a RankModel")
         self.data = self.source.grad_norms(self.norm_type)
@@ -68,15 +70,18 @@ class GradNormView(View):
         self._changed()
 
     def show_by(self, by: str) -> None:
+        """Group the bars by ``by`` (as ``show(by=...)``: per parameter or per FSDP unit)."""
         self.show(by=by)
 
     def _choice(self) -> dict[str, Any]:
         return {"by": self.by, "pattern": self.pattern, "top": self.top, "sort": self.sort}
 
     def figure(self) -> Any:
+        """The matplotlib bar chart of the norms as shown now."""
         return grad_norm_bars(self.data, **self._choice())
 
     def text(self) -> str:
+        """The norms as shown now, as a plain-text table."""
         return grad_norms_text(self.data, **self._choice())
 
     def html(self, figures: bool = True) -> str:

@@ -103,6 +103,8 @@ class LayoutView(View):
         return [row.label for row in selection.rows]
 
     def refresh(self) -> ModelLayout:
+        """Ask the ranks for the layout again (the Refresh button does the same) and return it; a
+        view built from fixed data raises ``RuntimeError``."""
         if self.source is None:
             raise RuntimeError("this view was built from fixed data; build it from a RankModel")
         self.data = self.source.layout()
@@ -110,9 +112,12 @@ class LayoutView(View):
         return self.data
 
     def figure(self) -> Any:
+        """The matplotlib picture of the slices as shown now: which rank holds which part of each
+        parameter (or unit)."""
         return layout_figure(self.data, self.selection)
 
     def text(self) -> str:
+        """The unit and parameter tables as shown now, as plain text."""
         return layout_text(self.data, self.selection)
 
     def html(self, figures: bool = True) -> str:

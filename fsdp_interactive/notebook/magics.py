@@ -9,8 +9,8 @@ type instead.  The kernel never touches CUDA here: memory and devices are asked 
 
 from __future__ import annotations
 
+import argparse
 import os
-import shlex
 import sys
 from typing import Any
 
@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from fsdp_interactive.notebook._attach_magics import AttachMagics, is_attached
 from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
+    cell_hang_notice,
     current_cell_number,
     describe_value,
     parse_targets,
@@ -28,8 +29,8 @@ from fsdp_interactive.notebook._magic_io import (
     rank_error_class,
     shown_as_message,
     shown_message,
-    usage_line,
 )
+from fsdp_interactive.notebook._magic_usage import line_magic_help, usage_line
 from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
@@ -58,9 +59,37 @@ _SUBCOMMANDS = (
 _magics: FsdpMagics | None = None
 
 
+def _hang_notice_options(where: str, default: str) -> Any:
+    """The ``--hang-notice S`` and ``--no-hang-notice`` options of a magic, for ``where``."""
+
+    def add(func: Any) -> Any:
+        func = argument("--no-hang-notice", action="store_true", help=f"no hang notice in {where}")(
+            func
+        )
+        return argument(
+            "--hang-notice",
+            type=float,
+            default=None,
+            metavar="S",
+            help="seconds ranks may wait in a collective other ranks never reach before a live "
+            f"notice says so {default}",
+        )(func)
+
+    return add
+
+
 def current_pool() -> Any:
     """The pool that ``%fsdp start`` started in this kernel (None if there is none)."""
     return _magics.pool if _magics is not None else None
+
+
+def _rank_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: type a rank number, e.g. %fsdp debug -r 1"
+        ) from None
 
 
 @magics_class
@@ -94,37 +123,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
 
     @line_magic
     def fsdp(self, line: str) -> Any:
-        """Manage the rank pool.
-
-        %fsdp start [-n N] [--devices 0,1|cpu] [--backend gloo|nccl] [--engines local|ssh|slurm|mpi] [--timeout S] [--log-level debug|info] [--check-collectives] [--flight-recorder N]
-        %fsdp stop | restart | status | interrupt
-        %fsdp push NAME [NAME ...]              copy kernel variables to every rank
-        %fsdp pull EXPR [--rank R] [--as NAME] [--max-bytes B] [--force]
-                                                copy a rank value to the kernel; tensors (DTensor,
-                                                FSDP parameters) arrive as full CPU tensors
-        %fsdp trace [--last N] [--plot] [--issued-at]
-                                                every rank's recent collectives, and where the
-                                                ranks disagree (torch's flight recorder)
-        %fsdp debug [-r RANK] [COMMAND]         pdb on the last exception a %%fsdp cell raised
-                                                on RANK: run COMMAND (p x, up, where, ...), or
-                                                without one, a prompt until q
-        %fsdp snapshot MODEL [OPTIMIZER] [--stateful a,b] [--step N] [--persist DIR]
-                                                keep the ranks' state in host memory
-        %fsdp journal [--last N]                the calls that built the ranks' state, and
-                                                what a recovery would replay, and why
-        %fsdp recover [--from ID|DIR] [--world N] [--dry-run]
-                                                back to the last snapshot after a fault:
-                                                a fresh group, the cells that build what
-                                                it restores replayed, the snapshot loaded
-        %fsdp stacks [--native]                 every rank's stack, with source lines
-        %fsdp attach [FOLDER|SLURM_JOB_ID|NAME] [--hosts a,b] [--ssh-args ARGS] [--take-over] [--hang-after S]
-                                                drive a running job started with
-                                                -m fsdp_interactive.attachable
-        %fsdp pause [--at-step N] [--timeout S] | resume | detach
-                                                stop the attached job after an optimizer
-                                                step (cells then run on its ranks), let it
-                                                go on, leave it running
-        """
+        # The docstring (what %fsdp? shows) is written from the subcommands' parsers below
+        # the class: FSDP_SUMMARY, then every subcommand's usage, description and options.
         words = line.strip().split(None, 1)
         if not words:
             raise UsageError(f"%fsdp needs a command: one of {', '.join(_SUBCOMMANDS)}")
@@ -140,11 +140,28 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
             raise shown_as_message(error) from None
 
     @magic_arguments()
-    @argument("-n", type=int, default=None, help="number of ranks")
+    @argument(
+        "-n",
+        type=int,
+        default=None,
+        help="number of ranks (default: one per visible GPU, else 2 CPU ranks)",
+    )
     @argument("--devices", default=None, help="CUDA device indices like 0,1 or 'cpu'")
-    @argument("--backend", choices=("gloo", "nccl"), default=None)
-    @argument("--engines", default="local", help="ipyparallel launcher: local, ssh, slurm, mpi")
-    @argument("--timeout", type=float, default=120.0, help="start-up timeout in seconds")
+    @argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="the process group's backend (default: nccl on GPU ranks, gloo on CPU ranks)",
+    )
+    @argument(
+        "--engines",
+        default="local",
+        metavar="LAUNCHER",
+        help="ipyparallel launcher: local, ssh, slurm, mpi",
+    )
+    @argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="start-up timeout in seconds"
+    )
     @argument("--log-level", choices=("debug", "info"), help="show the pool's log records")
     @argument(
         "--check-collectives",
@@ -164,9 +181,12 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
-        """%fsdp start"""
+        """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
+        ranks with gloo (2 unless -n says otherwise); a topology table is shown."""
         args = self._parse(self._fsdp_start, rest, "start")
+        hang_notice = cell_hang_notice(args.hang_notice, args.no_hang_notice, "%fsdp start")
         if self.pool is not None and self.pool.running:
             raise UsageError(
                 f"a pool with {self.pool.world_size} ranks is already running; "
@@ -197,12 +217,14 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                **({} if hang_notice is None else {"hang_notice": hang_notice}),
             )
         except ValueError as error:
             raise UsageError(f"%fsdp start: {error}") from None
         self.pool = pool.start()
 
     def _fsdp_stop(self, rest: str) -> None:
+        """End the pool: its ranks, engines and controller (auto mode goes off)."""
         self._no_arguments("stop", rest)
         if is_attached(self.pool):
             return self._fsdp_detach("")
@@ -216,6 +238,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         print(f"stopped {ranks} ranks" if ranks else f"stopped the pool (it was {state})")
 
     def _fsdp_restart(self, rest: str) -> None:
+        """A fresh process group on fresh ranks, without restarting the kernel; what the
+        ranks held is gone (%fsdp recover brings a snapshot back instead)."""
         self._no_arguments("restart", rest)
         if self.pool is None:
             raise UsageError("no pool to restart; start one with %fsdp start -n 2")
@@ -226,13 +250,14 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         )
 
     def _fsdp_interrupt(self, rest: str) -> None:
+        """SIGINT to the ranks, saying per rank whether it stopped."""
         self._no_arguments("interrupt", rest)
         report = self._require_pool().interrupt()
         print("\n".join(report.lines(notebook=True)))
 
     def _fsdp_status(self, rest: str) -> None:
-        """%fsdp status: the pool's state (a rank that died since the last cell is found
-        here), its ranks and their memory; never raises for the pool's state."""
+        """The pool's state (a rank that died since the last cell shows here, with its host
+        and signal), its topology and each rank's memory."""
         self._no_arguments("status", rest)
         if self.pool is None:
             print("no pool; start one with %fsdp start -n 2")
@@ -252,8 +277,11 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         except pool_failures() as error:
             print(f"memory not asked: {shown_message(error)}")
 
+    @magic_arguments()
+    @argument("names", nargs="*", metavar="NAME", help="kernel variables to copy")
     def _fsdp_push(self, rest: str) -> None:
-        names = shlex.split(rest)
+        """Copy kernel variables to every rank, under the same names."""
+        names = self._parse(self._fsdp_push, rest, "push").names
         if not names:
             raise UsageError("%fsdp push needs variable names: type e.g. %fsdp push lr batch_size")
         pool = self._require_pool()
@@ -267,13 +295,22 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         print(f"pushed {', '.join(names)} to {pool.world_size} ranks")
 
     @magic_arguments()
-    @argument("expr", help="name (or expression) of the value on the ranks")
-    @argument("--rank", type=int, default=0, help="rank whose value is taken (default 0)")
-    @argument("--as", dest="as_name", default=None, help="kernel variable to store it in")
-    @argument("--max-bytes", type=int, default=_DEFAULT_PULL_LIMIT, help="size limit")
+    @argument("expr", metavar="EXPR", help="name (or expression) of the value on the ranks")
+    @argument("--rank", type=int, default=0, metavar="R", help="rank whose value is taken")
+    @argument(
+        "--as", dest="as_name", default=None, metavar="NAME", help="kernel variable to store it in"
+    )
+    @argument(
+        "--max-bytes",
+        type=int,
+        default=_DEFAULT_PULL_LIMIT,
+        metavar="B",
+        help="size limit in bytes",
+    )
     @argument("--force", action="store_true", help="pull whatever the size")
     def _fsdp_pull(self, rest: str) -> None:
-        """%fsdp pull"""
+        """Copy a rank's value to the kernel; DTensors and FSDP parameters arrive gathered as
+        plain CPU tensors, refused above a size limit unless forced."""
         args = self._parse(self._fsdp_pull, rest, "pull")
         pool = self._require_pool()
         target = args.as_name or args.expr
@@ -325,7 +362,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         print(f"{target} <- {describe_value(value)}")
 
     @magic_arguments()
-    @argument("--last", type=int, default=20, help="collectives per process group (default 20)")
+    @argument("--last", type=int, default=20, metavar="N", help="collectives per process group")
     @argument("--plot", action="store_true", help="draw the timeline instead of the table")
     @argument(
         "--issued-at",
@@ -333,7 +370,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         help="add the line that issued each collective (the first time: seconds, ~70 MB a rank)",
     )
     def _fsdp_trace(self, rest: str) -> None:
-        """%fsdp trace"""
+        """Every rank's recent collectives (torch's flight recorder) and where the ranks
+        disagree."""
         args = self._parse(self._fsdp_trace, rest, "trace")
         if args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of collectives >= 1")
@@ -349,27 +387,31 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         print("\n".join(trace.findings or ["the ranks agree on every recorded collective"]))
         display(Image(figure_png(trace_figure(trace, last=args.last))))
 
+    @magic_arguments()
+    @argument(
+        "-r",
+        "--rank",
+        type=_rank_number,
+        default=None,
+        help="the rank whose failure to debug (default: the lowest rank that failed)",
+    )
+    @argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="one pdb command to run (p x, up, where, ...); without one, a prompt until q",
+    )
     def _fsdp_debug(self, rest: str) -> None:
-        """%fsdp debug [-r RANK] [COMMAND]: pdb on a rank's last failure."""
+        """pdb on the frame where the last %%fsdp cell failed on a rank."""
+        args = self._parse(self._fsdp_debug, rest, "debug")
         pool = self._require_pool()
-        words = rest.strip()
-        rank = self._last_failed_rank
-        if words.startswith(("-r", "--rank")):
-            option, _, words = words.partition(" ")
-            value, _, words = words.strip().partition(" ")
-            try:
-                rank = int(value)
-            except ValueError:
-                raise UsageError(
-                    f"%fsdp debug {option} {value!r}: type a rank number, e.g. %fsdp debug -r 1"
-                ) from None
+        rank = self._last_failed_rank if args.rank is None else args.rank
         if not 0 <= rank < pool.world_size:
             raise UsageError(
                 f"%fsdp debug -r {rank}: no such rank; the pool has ranks 0..{pool.world_size - 1}"
             )
         from fsdp_interactive.pool import PoolError
 
-        command = words.strip() or None
+        command = " ".join(args.command) or None
         try:
             output = pool.debug(rank, command)
         except PoolError as error:
@@ -390,7 +432,9 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         try:
             return parse_argstring(func, rest)
         except UsageError as error:
-            raise UsageError(f"%fsdp {command}: {error}\n{usage_line(func, command)}") from None
+            raise UsageError(
+                f"%fsdp {command}: {error}\n{usage_line(func, f'%fsdp {command}')}"
+            ) from None
 
     @staticmethod
     def _no_arguments(command: str, rest: str) -> None:
@@ -399,10 +443,16 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
 
     # ------------------------------------------------------------------ %%fsdp
 
-    @magic_arguments()
-    @argument("--targets", "-t", default="all", help="ranks to run on: 0,2 | 0-1 | all")
+    @magic_arguments("%fsdp")
     @argument(
-        "--timeout", type=float, default=None, help="seconds before the hang watchdog reports"
+        "--targets", "-t", default="all", metavar="RANKS", help="ranks to run on: 0,2 | 0-1 | all"
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds before the hang watchdog reports",
     )
     @argument(
         "--stream",
@@ -419,7 +469,13 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         help="show every rank's output grouped by rank, type or order",
     )
     @argument("--local", action="store_true", help="also run the cell in the kernel")
-    @argument("-o", "--out", default=None, help="store the run's result (or timeout) under NAME")
+    @argument(
+        "-o",
+        "--out",
+        default=None,
+        metavar="NAME",
+        help="store the run's result (or timeout) under NAME",
+    )
     @argument(
         "--native",
         action="store_true",
@@ -436,6 +492,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         action="store_true",
         help="%%fsdp recover never runs this cell again",
     )
+    @_hang_notice_options("this cell", "(default: the pool's, 30)")
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; any failing rank fails the cell.
@@ -447,11 +504,15 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         frames); ``-o NAME`` keeps the timeout error so that ``NAME.wait()`` can keep
         waiting.  Tracebacks and stacks name the cell as the notebook numbers it; a rank's
         failure stays available to ``%fsdp debug``.  ``fsdp_interactive.breakpoint(rank=R)``
-        in the cell stops rank R and asks for debugger commands in the input box.
+        in the cell stops rank R and asks for debugger commands in the input box.  When
+        ranks have waited ``--hang-notice`` seconds (the pool's 30 by default) in a
+        collective other ranks never reach, a live notice names them, the collective and
+        the line, until they move on; ``--no-hang-notice`` leaves it out.
         """
         args = self._parse_cell(line)
         if args.replay and args.no_replay:
             raise UsageError("%%fsdp: type either --replay or --no-replay, not both")
+        hang_notice = cell_hang_notice(args.hang_notice, args.no_hang_notice, "%%fsdp")
         if self.pool is not None and self.pool.state == "broken":
             try:  # raises what happened to the group, and what works now
                 self.pool.run(cell, cell=current_cell_number(self.shell))
@@ -478,6 +539,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
                 cell=current_cell_number(self.shell),
                 native=args.native,
                 replay=True if args.replay else False if args.no_replay else None,
+                hang_notice=hang_notice,
             )
         except TimeoutError as error:
             sink.flush()
@@ -501,24 +563,25 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         try:
             return parse_argstring(self.fsdp_cell, line)
         except UsageError as error:
-            raise UsageError(
-                f"%%fsdp: {error}\nusage: %%fsdp [--targets 0,1|all] [--timeout S] [--native] "
-                "[--stream|--no-stream] [--group-outputs rank|order|type] [--local] [-o NAME] "
-                "[--replay|--no-replay]"
-            ) from None
+            raise UsageError(f"%%fsdp: {error}\n{usage_line(self.fsdp_cell, '%%fsdp')}") from None
 
     # ------------------------------------------------------------------ %fsdp_auto
 
     @line_magic
+    @magic_arguments("fsdp_auto")
+    @argument("mode", type=str.lower, choices=("on", "off"), help="on or off")
     def fsdp_auto(self, line: str) -> None:
-        """%fsdp_auto on|off: run following cells on the ranks.
+        """Run the following cells on the ranks, as if each began with %%fsdp.
 
         While on, a cell that starts with ``%`` (any magic) or whose first line is
         ``# local`` runs in the kernel instead.
         """
-        word = line.strip().lower()
-        if word not in ("on", "off"):
-            raise UsageError("type %fsdp_auto on or %fsdp_auto off")
+        try:
+            word = parse_argstring(self.fsdp_auto, line).mode
+        except UsageError:
+            raise UsageError(
+                f"type %fsdp_auto on or %fsdp_auto off\n{usage_line(self.fsdp_auto, '%fsdp_auto')}"
+            ) from None
         if word == "on":
             self._require_pool()
         self._set_auto(word == "on")
@@ -530,6 +593,12 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         if not on and _auto_transform in transformers:
             transformers.remove(_auto_transform)
         self.auto = on
+
+
+FSDP_SUMMARY = """Manage the rank pool: %fsdp COMMAND [arguments], one of the commands below.
+Run a cell on the ranks with %%fsdp; %fsdp_auto on runs every following cell there."""
+
+FsdpMagics.fsdp.__doc__ = line_magic_help(FsdpMagics, _SUBCOMMANDS, FSDP_SUMMARY)
 
 
 def _auto_transform(lines: list[str]) -> list[str]:

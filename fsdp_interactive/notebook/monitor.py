@@ -148,10 +148,14 @@ class GradNormMonitor(View):
             return list(self.records)
 
     def figure(self, records: list[GradNormRecord] | None = None) -> Any:
+        """The matplotlib picture of the global norm per step of ``records`` (default: every record
+        polled so far), NaN/Inf steps and spikes marked."""
         records = self.snapshot() if records is None else records
         return grad_norm_history_figure(records, self.spike_factor, self.window)
 
     def text(self) -> str:
+        """The recorded steps as plain text: each step's global norm, NaN/Inf steps and spikes
+        named."""
         return history_text(self.snapshot())
 
     def html(self, figures: bool = True) -> str:

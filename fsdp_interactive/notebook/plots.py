@@ -17,6 +17,7 @@ from matplotlib.layout_engine import PlaceHolderLayoutEngine
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive._text import human_bytes
 from fsdp_interactive.inspect import (
     GradNormRecord,
@@ -37,6 +38,15 @@ from fsdp_interactive.notebook._groups import (
 )
 from fsdp_interactive.notebook.render import steps_phrase
 
+__all__ = [
+    "grad_norm_bars",
+    "grad_norm_history_figure",
+    "histogram_figure",
+    "layout_figure",
+    "memory_figure",
+    "rank_color",
+]
+
 _RANK_COLORS = (
     "#4C72B0",
     "#DD8452",
@@ -52,6 +62,7 @@ _RANK_COLORS = (
 
 
 def rank_color(rank: int) -> str:
+    """The colour every view draws ``rank`` in (ten colours, then again from the first)."""
     return _RANK_COLORS[rank % len(_RANK_COLORS)]
 
 
@@ -446,3 +457,6 @@ def memory_figure(stats: Sequence[MemoryStats]) -> Figure:
     axes.set_xlabel("rank")
     axes.set_ylabel("MiB")
     return figure
+
+
+__dir__ = public_names(__name__)

@@ -18,6 +18,7 @@ from typing import Any
 
 from fsdp_interactive._text import human_bytes, number, text_table
 from fsdp_interactive.inspect import (
+    NO_GRADIENTS,
     GradNormRecord,
     GradNorms,
     MemoryStats,
@@ -201,7 +202,6 @@ def _norm_rows(
     return rows, marks
 
 
-_NO_GRADS = "no gradients yet: run a backward pass on the ranks first"
 _ROW_NAMES = {"params": "parameter", "modules": "module", "units": "unit"}
 
 
@@ -231,7 +231,7 @@ def grad_norms_text(
     """The global norm (``head=False`` leaves it out, for a view that shows it elsewhere)
     and the norms ``by`` parameter, module or unit: :func:`select_norms` picks the rows."""
     if not norms.params:
-        return _NO_GRADS
+        return NO_GRADIENTS
     items, matched = select_norms(norms, by, pattern, top, sort)
     rows, _ = _norm_rows(norms, items)
     table = _norm_caption(norms, by, len(items), matched, sort) + "\n"
@@ -248,7 +248,7 @@ def grad_norms_html(
     head: bool = True,
 ) -> str:
     if not norms.params:
-        return f"<i>{_NO_GRADS}</i>"
+        return f"<i>{NO_GRADIENTS}</i>"
     items, matched = select_norms(norms, by, pattern, top, sort)
     rows, marks = _norm_rows(norms, items)
     out = ""

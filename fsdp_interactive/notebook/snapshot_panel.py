@@ -155,6 +155,8 @@ class SnapshotPanel(StatusView):
         return "" if self.report is None else str(self.report)
 
     def text(self) -> str:
+        """The panel as plain text: a row per snapshot in host memory, the last action's status and
+        the last recovery's report."""
         head = f"snapshots in host memory: {len(self.snapshots)}"
         table = text_table(_HEADERS, self._rows()) if self.snapshots else "(none yet)"
         return "\n".join(filter(None, [head, table, self.status, self._report_text()]))

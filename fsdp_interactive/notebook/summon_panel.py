@@ -6,10 +6,12 @@ import contextlib
 import html
 from typing import Any
 
+from fsdp_interactive._text import did_you_mean, first_few
 from fsdp_interactive.inspect import TensorStats
 from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._groups import check_pattern, matches
+from fsdp_interactive.notebook._probe_input import UnknownNameError
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
 from fsdp_interactive.notebook.rank_model import RankModel
@@ -46,7 +48,7 @@ class SummonPanel(View):
         self.message = ""
         self.error: ErrorNote | None = None
         self.pattern: str | None = None
-        self.data: TensorStats = source.summon(fqn or params[0], bins)
+        self.data: TensorStats = source.summon(self._known(fqn) if fqn else params[0], bins)
 
     def choices(self, pattern: str | None = None) -> tuple[list[tuple[str, str]], int]:
         """(label, FQN) of the parameters, then the modules, matching ``pattern`` (at most
@@ -73,21 +75,29 @@ class SummonPanel(View):
     def select(self, fqn: str) -> TensorStats:
         """Summarize the parameter or module ``fqn``: its clean FQN or the name under the
         model's wrappers (shown by its clean FQN)."""
-        if fqn not in self.params and fqn not in self.modules:
-            fqn = self.source.clean_name(fqn) or fqn
-        if fqn not in self.params and fqn not in self.modules:
-            raise ValueError(
-                f"fqn={fqn!r} is not a parameter or module of {self.source.model!r}; choose one of "
-                f"{', '.join(self.params[:6])}{', ...' if len(self.params) > 6 else ''}"
-            )
-        self.data = self.source.summon(fqn, self.bins)
+        self.data = self.source.summon(self._known(fqn), self.bins)
         self.pending = None
         self.message = ""
         self.error = None
         self._changed()
         return self.data
 
+    def _known(self, fqn: str) -> str:
+        """``fqn`` as a clean name of the model's, asking the ranks for a wrapped one;
+        :class:`ProbeInputError` naming the close matches when the model has neither."""
+        if fqn not in self.params and fqn not in self.modules:
+            fqn = self.source.clean_name(fqn) or fqn
+        if fqn not in self.params and fqn not in self.modules:
+            hint = did_you_mean(fqn, [*self.params, *self.modules])
+            raise UnknownNameError(
+                f"fqn={fqn!r} is not a parameter or module of {self.source.model!r}; "
+                + (hint or f"choose one of {first_few(self.params, 6, ', ')}")
+            )
+        return fqn
+
     def apply(self, expression: str, confirm: bool = False) -> TensorStats:
+        """Set the selected parameter to ``expression`` on every rank (``confirm=True`` is
+        required: an edit writes to the model) and return its new statistics."""
         if self.fqn not in self.params:
             raise ValueError(f"{self.fqn!r} is a module; select one parameter to edit it")
         if not confirm:
@@ -126,15 +136,18 @@ class SummonPanel(View):
             raise
 
     def cancel(self) -> None:
+        """Drop the pending edit; nothing is written."""
         self.pending = None
         self.error = None
         self.message = "edit cancelled"
         self._changed()
 
     def figure(self) -> Any:
+        """The matplotlib histogram of the selected parameter (or module)."""
         return histogram_figure(self.data)
 
     def text(self) -> str:
+        """The selected parameter's statistics as plain text, with the last action's message."""
         return stats_text(self.data) + (f"\n{self.message}" if self.message else "")
 
     def html(self, figures: bool = True) -> str:

@@ -7,14 +7,16 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 ``Pool.debug()`` a :class:`DebuggerOutput`. ``check_ssh_hosts(config)`` asks the ssh
 hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
 ``on_output`` sink gets each chunk of the ranks' text and, through its ``display``
-method when it has one, each :class:`RankDisplay` they publish. ``attach()`` returns an
-:class:`AttachedJob`: the ranks of a running job started with
+method when it has one, each :class:`RankDisplay` they publish, and through its ``hang``
+method a running call's :class:`HangNotice` (``None`` when it goes away). ``attach()``
+returns an :class:`AttachedJob`: the ranks of a running job started with
 ``fsdp_interactive.attachable``, driven like a pool (:class:`JobStatus`,
 :class:`HangReport`; :class:`AttachError`, :class:`JobError`, :class:`JobNotPaused`,
 :class:`JobRanksGone`). Rank-side start-up code lives in
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
+from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.pool._attach_errors import AttachError, JobError, JobNotPaused, JobRanksGone
 from fsdp_interactive.pool._attached_job import AttachedJob, HangReport, JobStatus, attach
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
@@ -22,6 +24,7 @@ from fsdp_interactive.pool._pool import Pool
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
+from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice
 from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
 from fsdp_interactive.pool.diagnostics._post_mortem import DebuggerOutput
 from fsdp_interactive.pool.errors import (
@@ -43,6 +46,7 @@ __all__ = [
     "AttachedJob",
     "CollectiveTrace",
     "DebuggerOutput",
+    "HangNotice",
     "HangReport",
     "InterruptReport",
     "JobError",
@@ -70,3 +74,5 @@ __all__ = [
     "check_ssh_hosts",
     "visible_cuda_device_count",
 ]
+
+__dir__ = public_names(__name__)

@@ -84,6 +84,8 @@ class JobStatus:
     paused_step: int | None = None
 
     def lines(self, notebook: bool = False) -> list[str]:
+        """The status as lines: a head, the table, the hang (what to type next as magics
+        with ``notebook``, as API calls without)."""
         ranks = len(self.states) + len(self.gone)
         head = f"job {self.job}: {ranks} ranks, " + (
             f"paused after step {self.paused_step}" if self.paused_step is not None else "running"
@@ -537,15 +539,19 @@ class AttachedJob:
         )
 
     def restart(self) -> None:
+        """Refused: the job's launcher owns its processes (raises :class:`JobError`)."""
         raise self._not_here("restarted")
 
     def recover(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: a job has no journal to replay (raises :class:`JobError`)."""
         raise self._not_here("recovered")
 
     def interrupt(self, targets: Targets = None) -> None:
+        """Refused: a job's signal handlers are its own (raises :class:`JobError`)."""
         raise self._not_here("interrupted")
 
     def debug(self, rank: int, command: str | None = None) -> None:
+        """Refused: the job keeps no failed cell to look at (raises :class:`JobError`)."""
         raise self._not_here("debugged post mortem")
 
     def __enter__(self) -> AttachedJob:

@@ -16,6 +16,10 @@ than success becomes an exception of :mod:`.errors`, built by :mod:`pool.diagnos
 * Interrupt: engines run in their own session, so a notebook interrupt reaches only
   the kernel; the call forwards SIGINT to the ranks still running it, waits
   ``interrupt_grace`` seconds, and reports ranks that did not stop, with where they are.
+* Hang notice: once the call is ``hang_after`` seconds old, a :class:`HangWatch` looks at
+  the ranks still running it; while some wait in a collective others never reach, the
+  sink's ``hang(notice)`` shows a live notice (``hang(None)`` takes it away), or, for a
+  sink without that method, a moving line on stderr. It never ends the call.
 * Debugger prompts: a rank stopped at ``fsdp_interactive.breakpoint()`` sends its
   prompt over its agent's event link; the waiting loop shows the debugger's output,
   asks the user with ``input()`` (in a notebook: the input box, through the kernel's
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from fsdp_interactive._lines import final_text
+from fsdp_interactive.pool._name_advice import advise_push
 from fsdp_interactive.pool._output import OutputPump, OutputSink, TaggedPrinter, received_metadata
 from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._death_report import CallRecord
@@ -48,6 +53,7 @@ from fsdp_interactive.pool.diagnostics._diagnosis import (
     interrupted_on_ranks,
     traceback_text,
 )
+from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice, HangWatch
 from fsdp_interactive.pool.errors import PoolBusy, RankError, strip_ansi
 
 log = logging.getLogger(__name__)
@@ -160,7 +166,8 @@ class PendingCall:
     ``cell``: its label ("Cell In[15]"). ``native``: a timeout's report adds py-spy's
     native frames. ``finish``: turns the per-rank results into the value :meth:`wait`
     returns. ``prompt(text)``: how a debugger prompt asks the user (default:
-    :func:`ask_user`).
+    :func:`ask_user`). ``hang_after``: seconds after which ranks that wait in a collective
+    others never reach are shown in a live notice (``None``: no notice).
     """
 
     def __init__(
@@ -175,8 +182,12 @@ class PendingCall:
         native: bool = False,
         finish: Callable[[list[Any]], Any] | None = None,
         prompt: Callable[[str], str] | None = None,
+        hang_after: float | None = None,
     ) -> None:
         self.handles = handles
+        self._sent = time.monotonic()
+        self._hang_after = hang_after
+        self._hang: HangWatch | None = None
         self._watch = watch
         self._code = code
         self._cell = cell
@@ -189,6 +200,9 @@ class PendingCall:
         self._output: OutputPump | None = None
         if stream and sink is not None:
             self._output = self._pump = OutputPump(handles, sink)
+        self._show_hang: Callable[[HangNotice | None], None] | None = getattr(sink, "hang", None)
+        self._hang_line: TaggedPrinter | None = None  # where a sink without hang() shows it
+        self._hang_shown = False
 
     def pending_ranks(self) -> list[int]:
         return [rank for rank, handle in self.handles.items() if not handle.ready()]
@@ -200,12 +214,15 @@ class PendingCall:
         RankTimeout, RankDied, RankInterrupted or RankError.
         """
         end = None if timeout is None else time.monotonic() + timeout
+        self._hang = self._new_hang_watch()
         try:
             while True:
                 pending = self.pending_ranks()
                 self._pump()
                 if not pending:
                     break
+                if self._hang is not None:
+                    self._hang_notice(*self._hang.tick(pending))
                 prompted = self._serve_prompts()
                 if end is not None:
                     end += prompted
@@ -233,6 +250,7 @@ class PendingCall:
         except KeyboardInterrupt:
             self._interrupted()
         finally:
+            self._end_hang_watch()
             if self._printer is not None:
                 self._printer.flush()
             if self._output is not None and not self.pending_ranks():
@@ -243,6 +261,39 @@ class PendingCall:
         # every step would otherwise accumulate in the kernel).
         self._watch.purge(list(self.handles.values()))
         return value
+
+    def _new_hang_watch(self) -> HangWatch | None:
+        if self._hang_after is None:
+            return None
+        diagnosis = self._watch.diagnosis
+        return HangWatch(
+            diagnosis.agents.ask,
+            self._hang_after,
+            targets=list(self.handles),
+            world=diagnosis.ranks,
+            began=self._sent,
+            code=self._code,
+            cell=self._cell,
+            noun="cell" if self._code is not None else "call",
+        )
+
+    def _hang_notice(self, changed: bool, notice: HangNotice | None) -> None:
+        """Show ``notice`` (``None``: take the one shown away) when it ``changed``."""
+        if not changed or (notice is None and not self._hang_shown):
+            return
+        if self._show_hang is None:
+            if self._hang_line is None:
+                self._hang_line = TaggedPrinter()
+            self._show_hang = self._hang_line.hang
+        self._hang_shown = notice is not None
+        self._show_hang(notice)
+
+    def _end_hang_watch(self) -> None:
+        """The call ended (or is being interrupted): stop looking, take the notice away."""
+        if self._hang is not None:
+            self._hang.stop()
+            self._hang = None
+        self._hang_notice(True, None)
 
     def _serve_prompts(self) -> float:
         """Answer the debugger prompts ranks sent; the seconds spent waiting for the user."""
@@ -286,6 +337,7 @@ class PendingCall:
     def _interrupted(self) -> NoReturn:
         """Ctrl-C while waiting: forward SIGINT, wait for the ranks to stop, report."""
         watch = self._watch
+        self._end_hang_watch()
         signalled = self.pending_ranks()
         log.debug("Ctrl-C: forwarding SIGINT to ranks %s", signalled)
         watch.signal(signalled, signal.SIGINT)
@@ -350,7 +402,7 @@ class PendingCall:
                 self._watch.needs_restart()
             raise error
         if tracebacks:
-            raise RankError(tracebacks, errors)
+            raise advise_push(RankError(tracebacks, errors))
         return results
 
 

@@ -37,6 +37,7 @@ from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._death_report import CallRecord
 from fsdp_interactive.pool.diagnostics._diagnosis import Diagnosis
 from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport, settle
+from fsdp_interactive.pool.diagnostics._oom import OomRecords
 from fsdp_interactive.pool.errors import RankDied
 from fsdp_interactive.pool.processes._launched import LaunchedProcesses
 
@@ -62,6 +63,17 @@ class LiveGroup:
         self.unfinished = Unfinished()
         self._dying_call: dict[int, CallRecord] = {}
         self.diagnosis = Diagnosis.of_group(group, client.session.key, signal=self.signal)
+        self._oom = OomRecords(self._local_pids())
+
+    def _local_pids(self) -> dict[int, int]:
+        """rank -> pid of the ranks whose processes run on this host (the pool started them
+        here: their start times were recorded)."""
+        local = {}
+        for record in self.group.records:
+            engine = self._processes.engine(record.pid)
+            if engine is not None and engine.created is not None:
+                local[record.rank] = record.pid
+        return local
 
     @property
     def records(self) -> list[RankRecord]:
@@ -156,7 +168,7 @@ class LiveGroup:
         ``between_calls``: no call ran when they died."""
         during = {} if between_calls else self._dying_call
         return self.diagnosis.death_error(
-            dead, self._processes.engine, during, between_calls=between_calls
+            dead, self._processes.engine, during, between_calls=between_calls, oom=self._oom
         )
 
     def signal(self, ranks: list[int], sig: int) -> None:

@@ -12,7 +12,9 @@ from the calling thread, so in a notebook the text lands in the cell that starte
 run. A line a rank rewrites with carriage returns (a ``tqdm`` bar, ``print(...,
 end="\\r")``) moves in place on the stream's last line, tagged the same, and is printed
 in its final state when it ends; so are the bars of ``tqdm.auto`` (displays under
-:data:`fsdp_interactive._bar_state.MIME`). Other displays are collected, not printed.
+:data:`fsdp_interactive._bar_state.MIME`). Other displays are collected, not printed. A
+running call's hang notice (:mod:`.diagnostics._hang_watch`) takes that moving line, on
+stderr, while it is shown.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fsdp_interactive.pool._call_output import (
     RankText,
     received_metadata,
 )
+from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice
 
 OutputSink = Callable[[int, str, str], None]
 
@@ -94,6 +97,8 @@ class TaggedPrinter:
 
     @staticmethod
     def tag(rank: int, name: str) -> str:
+        """The prefix a line of ``rank``'s stream ``name`` is printed with: ``[rank 1] `` for
+        stdout, ``[rank 1:stderr] `` otherwise."""
         return f"[rank {rank}] " if name == "stdout" else f"[rank {rank}:{name}] "
 
     def __call__(self, rank: int, name: str, text: str) -> None:
@@ -136,7 +141,17 @@ class TaggedPrinter:
         elif self._live:
             self._status.update(key, "stderr", text)
 
+    def hang(self, notice: HangNotice | None) -> None:
+        """Show a running call's hang notice on stderr's moving line, in API calls
+        (``None``: take it away)."""
+        if notice is None:
+            self._status.end(HangNotice.LINE_KEY, "stderr", None)
+        else:
+            self._status.update(HangNotice.LINE_KEY, "stderr", notice.text(notebook=False))
+
     def flush(self) -> None:
+        """Print what is still buffered: each stream's unfinished last line, and the final state of
+        lines that moved in place."""
         for key in sorted(self._line_buffers):
             line = self._line_buffers[key].flush()
             rank, name = key

@@ -54,6 +54,8 @@ from fsdp_interactive.pool._snapshots import SnapshotBook
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
+from fsdp_interactive.pool.diagnostics._hang_watch import DEFAULT_AFTER_S as DEFAULT_HANG_NOTICE_S
+from fsdp_interactive.pool.diagnostics._hang_watch import threshold as hang_threshold
 from fsdp_interactive.pool.errors import (
     RECOVER,
     RESTART,
@@ -128,6 +130,12 @@ class Pool(FaultCalls, DebuggingCalls):
         ``"auto"``: when a rank dies, or a ``timeout`` finds ranks blocked in a collective,
         :meth:`recover` runs by itself and the call's error ends with what it restored.
         Default ``None``: the error says to call ``recover()`` or ``restart()``.
+    hang_notice:
+        Seconds (default 30) after which a running call shows a live notice when some
+        ranks wait in a collective (or a barrier) that other ranks never reach: which
+        ranks, the collective, the line, and what to type. ``False`` turns it off; the
+        attribute of the same name changes it later, ``run(hang_notice=...)`` for one
+        call. The notice never ends a call (``timeout=`` does).
     """
 
     def __init__(
@@ -145,6 +153,7 @@ class Pool(FaultCalls, DebuggingCalls):
         flight_recorder: int | None = None,
         check_collectives: bool = False,
         recover: str | None = None,
+        hang_notice: float | bool = DEFAULT_HANG_NOTICE_S,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
@@ -168,6 +177,9 @@ class Pool(FaultCalls, DebuggingCalls):
         self.flight_recorder = flight_recorder
         self.check_collectives = check_collectives
         self.recover_mode = recover
+        hang_threshold(hang_notice)
+        #: Seconds before a running call's hang notice (``False``: no notice).
+        self.hang_notice: float | bool = hang_notice
         #: Every ``run`` on the ranks, for recovery to replay (see :mod:`._journal`).
         self.journal = Journal()
         self._snapshot_book = SnapshotBook()
@@ -428,6 +440,7 @@ class Pool(FaultCalls, DebuggingCalls):
         replaying: bool = False,
         replayed: int | None = None,
         journal_text: str | None = None,
+        hang_notice: float | bool | None = None,
     ) -> RunResult:
         """Execute ``code`` on the targeted ranks concurrently; return their output.
 
@@ -450,7 +463,8 @@ class Pool(FaultCalls, DebuggingCalls):
         ``code`` (the magic line that generated it); ``replaying`` marks a recovery's own
         replay (no snapshot is taken), ``replayed`` the entry it replays (its generators are
         set around it). A rank that died since the last call raises :class:`RankDied` here,
-        and ``code`` does not run.
+        and ``code`` does not run. ``hang_notice``: this run's threshold for the live hang
+        notice (seconds, or ``False``: none); ``None`` keeps the pool's.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python source, got {type(code).__name__}")
@@ -458,6 +472,7 @@ class Pool(FaultCalls, DebuggingCalls):
             raise ValueError(f"cell must be the notebook's execution count (an int), got {cell!r}")
         if replay not in (None, True, False):
             raise ValueError(f"replay must be None (the slice decides), True or False: {replay!r}")
+        after = hang_threshold(self.hang_notice if hang_notice is None else hang_notice)
         views = self._begin(targets, timeout)
         entry = (
             self.journal.begin(
@@ -486,6 +501,7 @@ class Pool(FaultCalls, DebuggingCalls):
             cell=f"Cell In[{cell}]" if cell is not None else None,
             native=native,
             finish=lambda _: run_result(handles, time.monotonic() - started),
+            hang_after=after,
         )
         with self._faults.outcome(entry):
             result = pending.wait(timeout)
@@ -575,6 +591,7 @@ class Pool(FaultCalls, DebuggingCalls):
 
     def _pending(self, handles: dict[int, Any], **options: Any) -> PendingCall:
         assert self._live is not None
+        options.setdefault("hang_after", hang_threshold(self.hang_notice))
         return self._live.pending(
             handles,
             fail_dead=self._faults.fail_dead,

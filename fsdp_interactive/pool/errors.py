@@ -279,7 +279,8 @@ class RankDied(Advised, RuntimeError):
     (negative: killed by that signal; ``None``: unknown, e.g. a remote engine);
     ``log_tails`` maps each to the lines of its engine's log written during the call it
     died in; ``reports`` to what it wrote during that call (its output and those log
-    lines, or that it wrote nothing), which the message shows; ``lost_hosts`` lists hosts
+    lines, or that it wrote nothing), which the message shows; ``causes`` to why it was
+    killed where its host's records say (the OOM killer); ``lost_hosts`` lists hosts
     all of whose ranks vanished at once with no exit status (the host or the network to
     it is gone); ``between_calls`` is True when the ranks died while no call ran on them
     (the call that raises this never ran).
@@ -295,8 +296,10 @@ class RankDied(Advised, RuntimeError):
         lost_hosts: list[str] | None = None,
         reports: dict[int, str] | None = None,
         between_calls: bool = False,
+        causes: dict[int, str] | None = None,
     ):
         self.ranks = sorted(ranks)
+        self.causes = dict(causes or {})
         self.exit_codes = exit_codes
         self.log_tails = log_tails
         self.reports = dict(reports or {})
@@ -312,7 +315,10 @@ class RankDied(Advised, RuntimeError):
             where = ""
             if pids and rank in pids:
                 where = f" (pid {pids[rank]}" + (f" on {hosts[rank]}" if hosts else "") + ")"
-            lines.append(f"rank {rank}{where} died{when}: {describe_exit(exit_codes.get(rank))}")
+            how = describe_exit(exit_codes.get(rank))
+            if rank in self.causes:
+                how += f" ({self.causes[rank]})"
+            lines.append(f"rank {rank}{where} died{when}: {how}")
         #: The deaths in one line ("rank 1 (pid 4242 on node7) died: killed by signal SIGKILL").
         self.summary = "; ".join(lines)
         lines.append("The process group was torn down.")

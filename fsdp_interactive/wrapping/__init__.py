@@ -6,7 +6,8 @@ parameter (:class:`OriginalParam`) with
 
 * its clean FQN, as ``torch.distributed.checkpoint.state_dict`` names it (``fqn``), and the
   name under the wrappers (``wrapped_name``); :meth:`ModelParams.resolve` and
-  :meth:`ModelParams.select` accept either;
+  :meth:`ModelParams.select` accept either, and raise :class:`UnknownName` (a
+  ``KeyError``) naming close matches for a name that is neither;
 * its global ``shape``, ``dtype`` and the clean name of its FSDP ``unit``;
 * what this rank holds of it (:meth:`OriginalParam.piece`: the elements and where they lie
   in the full tensor) and of its gradient (:meth:`OriginalParam.grad_piece`), with the
@@ -27,8 +28,18 @@ vouch for.
 Nothing here communicates except ``full_tensor``; nothing modifies the model.
 """
 
-from fsdp_interactive.wrapping._model_params import ModelParams, model_params
+from fsdp_interactive._lazy_exports import public_names
+from fsdp_interactive.wrapping._model_params import ModelParams, UnknownName, model_params
 from fsdp_interactive.wrapping._param import OriginalParam, Piece
 from fsdp_interactive.wrapping._refusal import UnsupportedWrapping
 
-__all__ = ["ModelParams", "OriginalParam", "Piece", "UnsupportedWrapping", "model_params"]
+__all__ = [
+    "ModelParams",
+    "OriginalParam",
+    "Piece",
+    "UnknownName",
+    "UnsupportedWrapping",
+    "model_params",
+]
+
+__dir__ = public_names(__name__)

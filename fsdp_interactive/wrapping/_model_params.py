@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp_interactive._text import did_you_mean, first_few
 from fsdp_interactive._torch_compat import (
     FlatParameter,
     is_fsdp1_managed,
@@ -35,6 +36,14 @@ from fsdp_interactive.wrapping._refusal import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class UnknownName(KeyError):
+    """A name that is neither a parameter nor a module of the model (a ``KeyError``), its
+    message naming the close matches; shown without ``KeyError``'s quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ModelParams(Mapping[str, OriginalParam]):
@@ -68,18 +77,18 @@ class ModelParams(Mapping[str, OriginalParam]):
         return len(self._params)
 
     def resolve(self, name: str) -> str:
-        """The clean FQN of the parameter called ``name``, clean or wrapped; ``KeyError``
-        naming some real names when there is none."""
+        """The clean FQN of the parameter called ``name``, clean or wrapped;
+        :class:`UnknownName` (a ``KeyError``) naming close matches when there is none."""
         if name in self._params:
             return name
         if name in self._wrapped:
             return self._wrapped[name]
-        raise KeyError(self._unknown(name))
+        raise UnknownName(self._unknown(name))
 
     def select(self, name: str) -> list[OriginalParam]:
         """The parameter called ``name``, or every parameter of the module called ``name``
-        (``""``: the whole model), by clean or wrapped name, in order; ``KeyError`` naming
-        some real names when there is neither."""
+        (``""``: the whole model), by clean or wrapped name, in order; :class:`UnknownName`
+        naming close matches when there is neither."""
         if name in self._params or name in self._wrapped:
             return [self._params[self.resolve(name)]]
         prefix = self._module_prefix(name)
@@ -87,7 +96,7 @@ class ModelParams(Mapping[str, OriginalParam]):
             [] if prefix is None else [p for f, p in self._params.items() if f.startswith(prefix)]
         )
         if not chosen:
-            raise KeyError(self._unknown(name))
+            raise UnknownName(self._unknown(name))
         return chosen
 
     def clean_name(self, name: str) -> str:
@@ -117,11 +126,12 @@ class ModelParams(Mapping[str, OriginalParam]):
         return f"{clean}." if clean else ""
 
     def _unknown(self, name: str) -> str:
-        sample = ", ".join(list(self._params)[:6])
-        return (
-            f"no parameter or module named {name!r} in the model; parameter names look "
-            f"like: {sample}"
-        )
+        text = f"no parameter or module named {name!r} in the model"
+        modules = {fqn.rsplit(".", depth)[0] for fqn in self._params for depth in (1, 2)}
+        hint = did_you_mean(name, [*self._params, *sorted(modules), *self._wrapped])
+        if hint:
+            return f"{text}; {hint}"
+        return f"{text}; parameter names look like: {first_few(list(self._params), 4, ', ')}"
 
     def local_bytes(self) -> tuple[int, int]:
         """(parameter bytes, gradient bytes) this rank stores: shards with their padding

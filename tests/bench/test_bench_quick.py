@@ -29,6 +29,7 @@ FIGURES = (
     "checkpoint",
     "debug_cost",
     "state_scaling",
+    "hang_watch",
     "attach",
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -84,9 +85,9 @@ def test_comparisons_have_a_ratio_or_say_why_not(quick_report: Path) -> None:
 
 
 def test_markdown_has_a_row_per_comparison(quick_report: Path) -> None:
-    text = (quick_report / "benchmarks.md").read_text()
+    text = (quick_report / "benchmarks-appendix.md").read_text()
     assert "## Summary" in text and "## How to reproduce" in text
-    assert "python -m bench" in text
+    assert "- Command: `python -m bench --quick --out " in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     for key, figure in _figures(quick_report).items():
         for c in figure["comparisons"]:

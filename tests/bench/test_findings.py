@@ -13,7 +13,7 @@ import pytest
 
 from bench.__main__ import FIGURES
 from bench.findings import load, parse
-from bench.report import render_markdown
+from bench.report import render_appendix
 from bench.run_info import RunInfo
 from bench.runner import Comparison, FigureResult, Stat, Target
 
@@ -83,13 +83,13 @@ def _figure(subject: float, target: Target) -> FigureResult:
 def test_the_report_quotes_the_cause_of_a_miss_and_the_figure_observation():
     info = RunInfo("start", "end", True, "python -m bench --quick")
     findings = parse("## fig: ours vs theirs\nWhy ours is slow.\n\n## fig\nWhere time goes.\n")
-    missed = render_markdown(info, [_figure(2.0, Target("<=", 1.2))], "plot.png", findings)
+    missed = render_appendix(info, [_figure(2.0, Target("<=", 1.2))], "plot.png", findings)
     section = missed.split("## Missed targets and their causes", 1)[1].split("\n## ", 1)[0]
     assert "**A figure: ours vs theirs**" in section and "Why ours is slow." in section
     assert "Profiled: Where time goes." in missed
 
-    met = render_markdown(info, [_figure(1.0, Target("<=", 1.2))], "plot.png", findings)
+    met = render_appendix(info, [_figure(1.0, Target("<=", 1.2))], "plot.png", findings)
     assert "Why ours is slow." not in met and "No target of ours was missed" in met
 
-    unknown = render_markdown(info, [_figure(2.0, Target("<=", 1.2))], "plot.png", parse(""))
+    unknown = render_appendix(info, [_figure(2.0, Target("<=", 1.2))], "plot.png", parse(""))
     assert "no profile of this miss is recorded yet." in unknown

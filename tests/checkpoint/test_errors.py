@@ -145,6 +145,22 @@ def test_shape_mismatch_always_raises(saved):
     assert _unchanged(model, before)
 
 
+def test_a_long_shape_mismatch_gives_a_count_and_the_first_few(tmp_path):
+    # 14 layers, 28 tensors, every one of another shape: one line, not 28.
+    ck.save(tmp_path / "narrow", torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(14))))
+    wide = torch.nn.Sequential(*(torch.nn.Linear(5, 5) for _ in range(14)))
+    with pytest.raises(ck.IncompatibleCheckpointError) as info:
+        ck.load(tmp_path / "narrow", wide)
+    assert str(info.value) == (
+        "checkpoint does not fit the model: shape mismatch for 28 tensors: "
+        "0.bias: checkpoint shape (4,), model shape (5,); "
+        "0.weight: checkpoint shape (4, 4), model shape (5, 5); "
+        "1.bias: checkpoint shape (4,), model shape (5,); and 25 more; "
+        "every one in error.shape_mismatches"
+    )
+    assert len(info.value.shape_mismatches) == 28
+
+
 def test_optimizer_mismatches(saved, tmp_path):
     model, before = _target()
     two_groups = torch.optim.Adam(

@@ -25,13 +25,16 @@ from tests.pool.attach_jobs import SCRIPT
 pytestmark = pytest.mark.multihost
 
 _NOTEBOOK = """
-import json, socket, sys
+import json, socket, sys, time
 import fsdp_interactive
 from fsdp_interactive.notebook.rank_model import RankModel
 job_id, attach_dir, ssh_config = sys.argv[1:4]
 job = fsdp_interactive.attach(job_id, attach_dir=attach_dir, ssh_args=["-F", ssh_config])
 try:
     status = job.status()
+    while min(s.step for s in status.states.values()) < 2:  # training, past its imports
+        time.sleep(0.1)
+        status = job.status()
     stacks, where = job.stacks()
     step = job.pause(timeout=120)
     paused = [s.phase for s in job.status().states.values()]

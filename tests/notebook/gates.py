@@ -10,8 +10,12 @@ test then finds gates that its observations did not open.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -82,3 +86,53 @@ def held_until(path: Path | str) -> str:
         "any(__import__('time').sleep(0.02) for _ in "
         f"iter(lambda: not __import__('os').path.exists({str(path)!r}), False))"
     )
+
+
+def one_sided_barrier(gate: Path, then: str = "") -> str:
+    """Cell code whose rank 0 waits in a barrier that rank 1 does not reach: rank 1
+    finishes the cell, and a thread of it enters the barrier once ``gate`` exists (the
+    test opens it when it has seen the wait); rank 0 then runs ``then`` (one line).
+    The barrier is on line 8 of the cell."""
+    return (
+        "import threading\n"
+        "def _arrive_later():\n"
+        f"    {held_until(gate)}\n"
+        "    dist.barrier()\n"
+        "if rank == 1:\n"
+        "    threading.Thread(target=_arrive_later, daemon=True).start()\n"
+        "else:\n"
+        "    dist.barrier()\n" + (f"    {then}\n" if then else "")
+    )
+
+
+class WatchedStream(io.StringIO):
+    """A text stream (``sys.stderr`` of a test) that opens ``gate`` once what was written
+    to it holds ``seen``."""
+
+    def __init__(self, gate: Path, seen: str) -> None:
+        super().__init__()
+        self.gate, self.seen = gate, seen
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if self.seen in self.getvalue():
+            self.gate.touch()
+        return written
+
+
+@contextlib.contextmanager
+def stderr_opening(gate: Path, seen: str, fallback_s: float = 120.0) -> Iterator[WatchedStream]:
+    """``sys.stderr`` replaced, for the block, by a :class:`WatchedStream` that opens
+    ``gate`` once it holds ``seen``; the gate opens after ``fallback_s`` anyway (and at the
+    end), so that what waits for it ends."""
+    stream = WatchedStream(gate, seen)
+    fallback = threading.Timer(fallback_s, gate.touch)
+    fallback.daemon = True
+    fallback.start()
+    saved, sys.stderr = sys.stderr, stream
+    try:
+        yield stream
+    finally:
+        sys.stderr = saved
+        fallback.cancel()
+        gate.touch()

@@ -10,6 +10,7 @@ import contextlib
 import os
 import queue
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
-from tests.notebook.gates import Gates, gated_loop
+from tests.notebook.gates import Gates, gated_loop, held_until, one_sided_barrier
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -250,3 +251,48 @@ def test_a_notebook_run_by_nbclient_stores_each_bar_once_in_its_final_state(tmp_
         assert WIDGET in output["data"]
     texts = "".join(o.get("text", "") for cell in saved_cells for o in cell.outputs)
     assert "\r" not in texts
+
+
+@pytest.mark.timing
+def test_a_hang_notice_is_one_display_shown_while_rank_0_waits_and_emptied_when_it_moves_on(
+    kernel, tmp_path
+):
+    arrive, released = tmp_path / "arrive", tmp_path / "released"
+    opened: list[str] = []
+
+    def watch(message: dict[str, Any]) -> None:
+        if message["msg_type"] not in ("display_data", "update_display_data"):
+            return
+        text = message["content"]["data"].get("text/plain", "")
+        if not opened and text.startswith("possible hang"):
+            opened.append("arrive")
+            arrive.touch()
+        elif opened == ["arrive"] and text == "":
+            opened.append("released")
+            released.touch()
+
+    fallback = threading.Timer(120, lambda: (arrive.touch(), released.touch()))
+    fallback.start()
+    try:
+        messages = kernel.run(
+            "%%fsdp --hang-notice 2\n" + one_sided_barrier(arrive, then=held_until(released)),
+            on_message=watch,
+        )
+    finally:
+        fallback.cancel()
+        arrive.touch()
+        released.touch()
+    assert not [m for m in messages if m["msg_type"] == "error"], messages
+    # The notice came, then went while rank 0 still ran (it moved on past the barrier).
+    assert opened == ["arrive", "released"]
+    notices = [s for s in _text_displays(messages).values() if s[0].startswith("possible hang")]
+    assert len(notices) == 1, notices
+    [states] = notices
+    assert states[-1] == ""
+    first = states[0]
+    waited = re.match(r"possible hang: rank 0 has waited (\d+) s in barrier #\d+ ", first)
+    assert waited and 2 <= int(waited.group(1)) <= 4, first
+    assert re.search(
+        r"\(Cell In\[\d+\], line 8: dist\.barrier\(\)\); rank 1 finished the cell", first
+    )
+    assert first.endswith("then type %fsdp trace.")

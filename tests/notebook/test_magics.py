@@ -117,6 +117,19 @@ def test_failing_rank_fails_the_cell(pool_shell, pool, capsys):
     assert "ValueError: bad rank" in "\n".join(error._render_traceback_())
 
 
+def test_a_name_defined_in_the_kernel_only_says_to_push_it(pool_shell, pool):
+    pool_shell.run_cell("kernel_only_lr = 0.25")
+    result = pool_shell.run_cell("%%fsdp --no-stream\nscaled = kernel_only_lr * 4")
+    assert not result.success
+    message = "\n".join(result.error_in_exec._render_traceback_())  # what the cell shows
+    assert "NameError: name 'kernel_only_lr' is not defined" in message
+    assert "Send the kernel's kernel_only_lr to the ranks with %fsdp push kernel_only_lr" in message
+    assert "pool.push" not in message
+    pool_shell.run_line_magic("fsdp", "push kernel_only_lr")
+    cell(pool_shell, "--no-stream", "scaled = kernel_only_lr * 4")
+    assert pool.pull("scaled") == [1.0, 1.0]
+
+
 @pytest.mark.timing
 def test_timeout_shows_every_ranks_stack(pool_shell, pool, tmp_path):
     go = tmp_path / "go"  # rank 1 is slow until the report is out

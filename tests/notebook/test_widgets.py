@@ -15,8 +15,10 @@ from fsdp_interactive.notebook import (
     GradNormMonitor,
     GradNormView,
     LayoutView,
+    ProbeInputError,
     RankModel,
     SummonPanel,
+    UnknownNameError,
 )
 
 SETUP = """
@@ -297,3 +299,79 @@ def test_summon_panel_filter_narrows_the_tensor_list(source):
     assert "of" in panel._matches.value and "refine the filter" in panel._matches.value
     with pytest.raises(TypeError, match="pattern must be a string"):
         panel.filter(7)
+
+
+def _short(error: BaseException) -> str:
+    """The error as the notebook shows it, checked to carry no rank traceback or pdb advice."""
+    text = str(error)
+    assert "Traceback" not in text and "debug" not in text and "\n" not in text, text
+    return text
+
+
+def test_a_variable_the_ranks_lack_fails_at_once_naming_the_close_ones(source):
+    pool = source.pool
+    with pytest.raises(ProbeInputError) as info:
+        RankModel(pool, "widget_modle")
+    assert _short(info.value) == (
+        "RankModel(pool, model='widget_modle'): no variable 'widget_modle' on the ranks; "
+        "did you mean 'widget_model'?"
+    )
+    with pytest.raises(
+        ProbeInputError, match=r"^RankModel\(pool, model='widget_optim'\): "
+    ) as info:
+        RankModel(pool, "widget_optim")
+    assert _short(info.value).endswith(
+        "'widget_optim' is a Adam on the ranks, not a torch.nn.Module; the ranks' models: "
+        "widget_model, widget_reference"
+    )
+    with pytest.raises(ProbeInputError, match="did you mean 'widget_optim'") as info:
+        RankModel(pool, "widget_model", optimizer="widget_optm")
+    _short(info.value)
+    # A recorder is looked up when first used (training code often makes it later).
+    late = RankModel(pool, "widget_model", recorder="widget_recordr")
+    with pytest.raises(ProbeInputError, match="no variable 'widget_recordr' on the ranks"):
+        late.history()
+
+
+def test_a_parameter_name_the_model_lacks_is_a_short_error_with_close_matches(source):
+    with pytest.raises(UnknownNameError) as info:
+        source.summon("embed.wieght")
+    assert isinstance(info.value, KeyError)
+    assert _short(info.value).startswith(
+        "RankModel.summon('embed.wieght'): no parameter or module named 'embed.wieght' in the "
+        "model; did you mean 'embed.weight'"
+    )
+    with pytest.raises(UnknownNameError, match=r"did you mean 'block\.0\.weight'"):
+        SummonPanel(source, fqn="block.0.wieght")
+    with pytest.raises(ProbeInputError, match="edit_param edits one parameter; 'block' is a"):
+        source.edit("block", "x * 0")
+    with pytest.raises(ProbeInputError, match=r"norm_type must be a number > 0 or float\('inf'\)"):
+        source.grad_norms("two")
+    assert source.summon("embed.weight").fqn == "embed.weight"  # nothing left behind
+
+
+def test_the_max_norm_works_in_the_probe_and_the_view(source):
+    truth = rank_truth(
+        source.pool,
+        "float(torch.nn.utils.clip_grad_norm_(widget_model.parameters(), 1e9, norm_type=float('inf'))"
+        ".full_tensor())",
+    )
+    norms = source.grad_norms(float("inf"))
+    assert norms.norm_type == float("inf") and norms.total == pytest.approx(truth[0], rel=1e-6)
+    view = GradNormView(source, norm_type=float("inf"))
+    assert view.data.total == norms.total
+    assert view.text().startswith(f"global Linf gradient norm: {number(norms.total)}")
+
+
+def test_a_model_without_gradients_says_so(source):
+    pool = source.pool
+    pool.run("no_grads_yet = torch.nn.Linear(3, 2)", stream=False)
+    try:
+        norms = RankModel(pool, "no_grads_yet").grad_norms()
+        assert not norms.has_gradients
+        assert repr(norms) == (
+            "GradNorms(norm_type=2, no gradients yet: run a backward pass on the ranks first)"
+        )
+        assert "total=" in repr(source.grad_norms())  # a model with gradients shows them
+    finally:
+        pool.run("del no_grads_yet", stream=False)

@@ -60,23 +60,25 @@ def runs(
 def test_attach_shows_every_rank_and_its_stack_without_pausing(runs):
     job: AttachedJob = runs.attached
     assert job.state == "attached" and job.world_size == 2
-    # attached as soon as the ranks wrote their records: before their group formed
-    status = _wait(
-        lambda: (
-            (s := job.status()).states and all(x.backend == "gloo" for x in s.states.values()) and s
-        )
-    )
+    # attached as soon as the ranks wrote their records (before their group formed);
+    # looked at once both are held before step 3 (rank 0 in the loss's all_reduce)
+    status = _wait(lambda: _held(job.status()))
     assert sorted(status.states) == [0, 1] and not status.gone
     for record in runs.records:
         state = status.states[record.rank]
-        assert (state.pid, state.host) == (record.pid, record.host)
-        assert state.step <= HOLD_AT
+        assert (state.pid, state.host, state.step) == (record.pid, record.host, HOLD_AT - 1)
     assert [(r.pid, r.backend) for r in job.topology] == [(r.pid, "gloo") for r in runs.records]
     stacks, where = job.stacks()
     assert sorted(stacks) == sorted(where) == [0, 1]
     for rank in (0, 1):
         assert 'attach_train.py", line' in stacks[rank], stacks[rank]
         assert "fsdp_interactive/attachable.py" not in stacks[rank]  # the entry is machinery
+
+
+def _held(status):
+    states = status.states
+    held = len(states) == 2 and all(s.step == HOLD_AT - 1 for s in states.values())
+    return status if held and states[0].collective is not None else None
 
 
 def test_cells_need_a_pause(runs):

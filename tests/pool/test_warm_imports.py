@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +186,46 @@ def test_a_warmed_module_that_binds_tqdm_auto_at_import_gives_the_engines_rank_b
     )
     result = pool.run(check, stream=False)
     assert result.stdout == {r: "True True False\n" for r in range(pool.world_size)}
+
+
+# Imported twice: by the forker's throwaway probe (which marks that it ran), then by the
+# forker itself, which waits there, inside the import, until the test lets it go.
+_GATED_MODULE = """
+import os, time
+gate = os.environ["FSDPI_TEST_IMPORT_GATE"]
+if os.path.exists(gate + ".probed"):
+    open(gate + ".importing", "w").close()
+    while not os.path.exists(gate + ".go"):
+        time.sleep(0.02)
+else:
+    open(gate + ".probed", "w").close()
+"""
+
+
+def test_an_engine_that_dies_while_its_forker_imports_is_reported_at_once(user_site, tmp_path):
+    # The kernel waits seconds for a dead rank's status; a forker busy importing a large
+    # package for a warm request used to report it only after the import, too late.
+    site_dir, env = user_site
+    (site_dir / "fsdpi_warm_gated.py").write_text(_GATED_MODULE)
+    gate = tmp_path / "gate"
+    forker = EngineForker(str(tmp_path / "forker.log"), dict(env, FSDPI_TEST_IMPORT_GATE=str(gate)))
+    importing, go = Path(f"{gate}.importing"), Path(f"{gate}.go")
+    try:
+        child = Child(forker, ["sleep"], tmp_path / "child.log", tmp_path)
+        child.report()  # it runs
+        forker.warm(["fsdpi_warm_gated"])
+        deadline = time.monotonic() + 120
+        while not importing.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert importing.exists(), f"the forker never imported the module:\n{forker.log_tail()}"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+        assert "fsdpi_warm_gated" not in forker.warmed  # reported while the import still ran
+        go.touch()
+        assert forker.wait_warm(["fsdpi_warm_gated"], timeout=120), forker.log_tail()
+        assert "fsdpi_warm_gated" in forker.warmed
+        after = Child(forker, ["0"], tmp_path / "after.log", tmp_path)
+        assert after.wait() == 0  # the forker serves on
+    finally:
+        go.touch()
+        forker.close()

@@ -55,6 +55,7 @@ class SnapshotRecord:
         return asdict(self)
 
     def to_json(self) -> str:
+        """The record as the JSON text stored with the snapshot (format name and version included)."""
         data = {"format": RECORD_FORMAT, "format_version": RECORD_VERSION, **self.to_dict()}
         return json.dumps(data, indent=2, sort_keys=True)
 

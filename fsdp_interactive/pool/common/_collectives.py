@@ -150,6 +150,11 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def collective_label(record: CollectiveRecord) -> str:
+    """``barrier #12``; outside the default group ``group 1 (desc): all_reduce #3``."""
+    return f"{_group_label(record.group, record.group_desc)}{record.op} #{record.seq}"
+
+
 def _group_label(group: str, desc: str) -> str:
     return "" if group == DEFAULT_GROUP else f"group {group} ({desc}): "
 
@@ -372,6 +377,8 @@ class CollectiveTrace:
     last: int = 20
 
     def table(self, last: int | None = None) -> str:
+        """The trace as a text table: each rank's last ``last`` collectives per process group
+        (default: the ``last`` the trace was asked with)."""
         return table_text(self.dumps, self.last if last is None else last)
 
     def groups(self) -> list[tuple[str, str]]:

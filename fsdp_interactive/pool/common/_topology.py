@@ -47,6 +47,7 @@ class RankRecord:
     visible_devices: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as a plain dict of its fields."""
         return asdict(self)
 
 

@@ -14,7 +14,8 @@ Reports, each built from what the ranks' diagnostics agents answer over the netw
 * a timeout (:meth:`Diagnosis.timeout_error`): where every rank is, the diagnosis, the
   last collectives and the stacks of the ranks still running;
 * a death (:meth:`Diagnosis.death_error`): exit status of each dead rank, asked of the
-  launcher of its engine (:class:`pool.processes._launched.EngineProcess`), and what it
+  launcher of its engine (:class:`pool.processes._launched.EngineProcess`), for a
+  ``SIGKILL`` on this host whether the OOM killer sent it (:mod:`._oom`), and what it
   wrote during the call it died in: the output the kernel received from it and its
   engine log since it took the call, nothing older (:mod:`._death_report`);
 * an interrupt (:meth:`Diagnosis.interrupt_error`, :func:`interrupted_on_ranks`): which
@@ -59,6 +60,7 @@ from fsdp_interactive.pool.diagnostics._death_report import (
     idle_death_report,
     log_during,
 )
+from fsdp_interactive.pool.diagnostics._oom import OomRecords
 from fsdp_interactive.pool.errors import RankDied, RankInterrupted, RankTimeout, strip_ansi
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,11 @@ class Diagnosis:
         self.agents = agents
         self._thread_ids = dict(thread_ids)
         self._signal = signal
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank of the group, in order."""
+        return [record.rank for record in self._records]
 
     @classmethod
     def of_group(cls, group: Any, cluster_key: bytes, *, signal: Signaller) -> Diagnosis:
@@ -272,13 +279,15 @@ class Diagnosis:
         during: Mapping[int, CallRecord] | None = None,
         *,
         between_calls: bool = False,
+        oom: OomRecords | None = None,
     ) -> RankDied:
         """The error for ranks ``dead``; ``engine_of(pid)`` gives the
         :class:`pool.processes._launched.EngineProcess` of a pid (``None``: not started by the pool,
         whose exit status is then unknown); ``during`` maps the ranks of the call that saw
         the deaths to their part of it (a dead rank missing there was not part of it);
         ``between_calls``: the ranks died while no call ran (only a crash report in their
-        engine log is shown)."""
+        engine log is shown); ``oom``: the OOM records of the group's ranks on this host,
+        which say whether a rank killed by ``SIGKILL`` was out of memory."""
         records = {r.rank: r for r in self._records}
         calls = during or {}
         tails: dict[int, str] = {}
@@ -295,7 +304,8 @@ class Diagnosis:
             report = idle_death_report(rank, logged) if between_calls else None
             reports[rank] = death_report(rank, record, logged) if report is None else report
             codes[rank] = engine.exit_code() if engine is not None else None
-        log.debug("ranks %s died; exit statuses %s", dead, codes)
+        causes = oom.explain(codes) if oom is not None else {}
+        log.debug("ranks %s died; exit statuses %s %s", dead, codes, causes)
         hosts = {r.host for r in self._records}
         lost_hosts = []
         if len(hosts) > 1:
@@ -312,6 +322,7 @@ class Diagnosis:
             lost_hosts=lost_hosts,
             reports=reports,
             between_calls=between_calls,
+            causes=causes,
         )
 
     def blocked_in_collective(

@@ -45,7 +45,11 @@ Protocol (one JSON object per line):
   started twice;
 * event ``{"exited": P, "exit_code": C}`` (and ``"output"``, see above) when child ``P``
   ends (``C`` negative: killed by signal ``-C``), as ``subprocess`` reports it. A nanny's
-  end is not reported: it ends after its engine, whose end is.
+  end is not reported: it ends after its engine, whose end is. An engine that ends while
+  the forker imports for a warm request (seconds for a large package) is reported at
+  once too, from a ``SIGCHLD`` handler that runs between the import's bytecodes: the
+  kernel waits only seconds for the status of a rank it found dead, and would otherwise
+  report it as unknown.
 
 The forker writes nothing else on stdout; its own diagnostics go to stderr. It exits
 when its stdin closes (its owner stopped it, or the owner or the ssh connection to it
@@ -77,7 +81,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,7 +292,8 @@ class _Server:
         if _ending:
             self.send({"warmed": [], "skipped": dict.fromkeys(specs, "the forker is ending")})
             return
-        done, failed = _warm_imports.import_here(settled.to_import)
+        with self._reporting_engine_ends():
+            done, failed = _warm_imports.import_here(settled.to_import)
         skipped = {**settled.skipped, **failed}
         self.warmed.update(done)
         self.refused.update(skipped)
@@ -296,6 +301,25 @@ class _Server:
         self.send({"warmed": done, "skipped": skipped})
         for spec in settled.alone:
             self.warm([spec])
+
+    @contextlib.contextmanager
+    def _reporting_engine_ends(self) -> Iterator[None]:
+        """While the forker runs long Python code outside its loop (a warm request's
+        imports): reap and report every engine that ends, at once, from a ``SIGCHLD``
+        handler (run between bytecodes, on this thread: nothing else writes the replies
+        meanwhile). Other children wait for the loop."""
+
+        def report_ended(signum: int, frame: Any) -> None:
+            for pidfd, child in list(self.children.items()):
+                if child.report and child.on_end is None and _has_ended(child.pid):
+                    self.reap(pidfd)
+
+        previous = signal.signal(signal.SIGCHLD, report_ended)
+        try:
+            report_ended(signal.SIGCHLD, None)  # one that ended before the handler was set
+            yield
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
 
     def precheck(self, snapshot_id: Any) -> None:
         """Hash the snapshot ``snapshot_id`` of this host's root in a child that runs only on
@@ -375,6 +399,14 @@ class _Server:
         signal.set_wakeup_fd(-1)
         os.close(self.wakeup_r)
         os.close(self.wakeup_w)
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether child ``pid`` has ended, without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False
 
 
 def serve(requests_fd: int, replies_fd: int, root: RootState, pending: bytes = b"") -> None:
