@@ -3,6 +3,7 @@ that dies while attached, a second notebook, a second user, a wrong key."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -147,6 +148,8 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleName
         finally:
             stop.touch()
             job.wait()
+    with contextlib.suppress(OSError):  # the default attach dir, when nothing else is in it
+        os.rmdir(_attach_records.default_attach_dir())
 
 
 def test_a_second_notebook_is_refused_until_it_asks_to_take_over(running_job):
