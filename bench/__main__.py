@@ -42,10 +42,11 @@ FIGURES: tuple[str, ...] = (
     "hang_watch",
     "attach",
 )
-#: Figures too long for every run (minutes of GPT-2 small on fresh processes each): run by
-#: ``--only recovery --merge`` (or ``snapshot_cost``), which replaces the figure in
-#: ``benchmarks.json`` and re-renders the report around it.
-ON_REQUEST: tuple[str, ...] = ("recovery", "snapshot_cost")
+#: Figures too long for every run (minutes of GPT-2 small or torchrun launches on fresh
+#: processes each): run by ``--only recovery --merge`` (or ``snapshot_cost``,
+#: ``script_runs``), which replaces the figure in ``benchmarks.json`` and re-renders the
+#: report around it.
+ON_REQUEST: tuple[str, ...] = ("recovery", "snapshot_cost", "script_runs")
 #: Every figure key, in report order.
 REPORT_ORDER: tuple[str, ...] = (*FIGURES, *ON_REQUEST, "gpu")
 

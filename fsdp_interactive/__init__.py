@@ -15,6 +15,8 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
   (:mod:`fsdp_interactive.attachable`; or run the script under
   ``-m fsdp_interactive.attachable``), and ``attach(...)``: in the notebook, attach to
   such a running job (an ``AttachedJob``, driven like a pool).
+* ``job``: what a script exported from a notebook session (``%fsdp export``) calls on
+  its ranks under torchrun (:mod:`fsdp_interactive.pool.rank._job`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _LAZY_EXPORTS = {
     "snapshot": "fsdp_interactive.checkpoint",
     "attachable": "fsdp_interactive.attachable",
     "attach": "fsdp_interactive.pool",
+    "job": "fsdp_interactive.pool.rank._job",
 }
 
 __all__ = [*_LAZY_EXPORTS, "__version__", "load_ipython_extension"]

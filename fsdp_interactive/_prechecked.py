@@ -105,13 +105,11 @@ def _hash_settled(folder_fd: int, name: str, algorithm: str) -> Prechecked | Non
     did not change while it was hashed; else ``None``."""
     started = time.time_ns()
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder_fd)
+        fd = _private_files.open_regular(name, dir_fd=folder_fd)
     except OSError:
         return None
     try:
         before = os.fstat(fd)
-        if not stat.S_ISREG(before.st_mode):
-            return None
         if before.st_ctime_ns > started - int(SETTLED_S * 1e9):
             return None
         size, digest = hash_descriptor(fd, algorithm)
@@ -154,13 +152,13 @@ def precheck(folder: str | os.PathLike) -> int:
 
 
 def _read_record(folder: Path) -> dict[str, Prechecked]:
-    fd = _private_files.open_regular(folder / RECORD_FILE)
+    fd = _private_files.open_regular(folder / RECORD_FILE, max_size=_private_files.SMALL_FILE_LIMIT)
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() or info.st_mode & 0o022:
             return {}
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = json.loads(f.read())
+            data = json.loads(f.read(_private_files.SMALL_FILE_LIMIT + 1))
     finally:
         os.close(fd)
     return {

@@ -8,8 +8,9 @@ superuser): another user can neither create it first with other rights, nor ente
 list it, or rename, replace or add anything inside. What is made inside is private too:
 folders ``0700``, files ``0600`` created with ``O_EXCL | O_NOFOLLOW`` (a name that exists
 already, a link included, is refused instead of written through). Files read back are
-opened with ``O_NOFOLLOW`` and must be regular files (a link to ``/dev/zero`` is refused,
-it does not hang a reader).
+opened with ``O_NOFOLLOW | O_NONBLOCK``, must be regular files by ``fstat`` before a byte
+is read, and are read with a bound on their size: a link to ``/dev/zero`` or a FIFO put
+in place of a file is refused at once, it neither hangs a reader nor fills its memory.
 
 Standard library only, importing nothing of the package: the engine forker and the orphan
 reaper use it in processes that must start fast, the ranks' snapshot code on every host.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import secrets
 import shutil
 import stat
 
@@ -27,7 +29,11 @@ import stat
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, before the
+# fstat that refuses it could run (for a regular file the flag changes nothing).
+_READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: The most a small file read back whole (a manifest, a record, a seal, a key) may hold.
+SMALL_FILE_LIMIT = 16 << 20
 
 
 class NotPrivateError(PermissionError):
@@ -44,7 +50,8 @@ class NotPrivateError(PermissionError):
         super().__init__(f"{self.path} {reason}")
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """``uid 65534 (nobody)``: the user ``uid`` as messages name it."""
     try:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except KeyError:
@@ -71,7 +78,7 @@ def why_not_private(info: os.stat_result) -> str | None:
     if not stat.S_ISDIR(info.st_mode):
         return "is not a folder"
     if info.st_uid != os.geteuid():
-        return f"is owned by {_user(info.st_uid)}, not by this user ({_user(os.geteuid())})"
+        return f"is owned by {user_name(info.st_uid)}, not by this user ({user_name(os.geteuid())})"
     if info.st_mode & 0o077:
         return (
             f"has mode {stat.S_IMODE(info.st_mode):04o}: other users can reach it "
@@ -136,6 +143,14 @@ def create_file(name: str | os.PathLike, *, folder_fd: int | None = None) -> int
     return os.open(name, _NEW_FILE, FILE_MODE, dir_fd=folder_fd)
 
 
+def open_log(path: str | os.PathLike) -> int:
+    """``path`` opened for appending (a log), made mode ``0600`` when it is new; a link is
+    refused, never written through (``OSError``). Its descriptor."""
+    return os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE
+    )
+
+
 def write_new_file(path: str | os.PathLike, data: bytes, *, sync: bool = True) -> None:
     """Write ``data`` into the new file ``path`` (:func:`create_file`), fsynced with
     ``sync``."""
@@ -150,26 +165,94 @@ def write_new_file(path: str | os.PathLike, data: bytes, *, sync: bool = True) -
         os.close(fd)
 
 
-def open_regular(path: str | os.PathLike) -> int:
-    """``path`` opened for reading, without following a link; ``OSError`` unless it is a
-    regular file (a device, a folder or a link is refused: nothing blocks or reads on
-    without end)."""
-    fd = os.open(path, _READ_FILE)
+def open_regular(
+    path: str | os.PathLike, *, dir_fd: int | None = None, max_size: int | None = None
+) -> int:
+    """``path`` (with ``dir_fd``: a name in that folder) opened for reading without
+    following a link and without waiting (a FIFO opens at once); ``OSError`` naming the
+    path unless ``fstat`` finds a regular file (a device, a FIFO, a folder or a link is
+    refused: nothing blocks or reads on without end), or when it holds more than
+    ``max_size`` bytes."""
+    fd = os.open(path, _READ_FILE, dir_fd=dir_fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{os.fspath(path)} is not a regular file")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{os.fspath(path)} is not a regular file ({_kind(info.st_mode)})")
+        if max_size is not None and info.st_size > max_size:
+            raise OSError(
+                f"{os.fspath(path)} holds {info.st_size} bytes, more than the {max_size} "
+                "such a file may hold"
+            )
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
-    """The content of the regular file ``path`` (:func:`open_regular`)."""
-    fd = open_regular(path)
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words."""
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_regular(path: str | os.PathLike, *, limit: int = SMALL_FILE_LIMIT) -> bytes:
+    """The content of the regular file ``path`` (:func:`open_regular`), at most ``limit``
+    bytes: a file that holds more, or grows past it while read, raises ``OSError``."""
+    fd = open_regular(path, max_size=limit)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise OSError(f"{os.fspath(path)} holds more than the {limit} bytes it may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def key_file(folder: str | os.PathLike, name: str) -> bytes:
+    """The secret kept in the file ``name`` of the private folder ``folder``: its text (hex
+    digits, as written), made there on first use: 32 random bytes, in a new file of mode
+    ``0600`` made with ``O_EXCL | O_NOFOLLOW`` under a temporary name and linked to
+    ``name``, so that a reader finds it whole and, of two processes making one at once,
+    the first link wins. ``NotPrivateError`` when the file found there is not this user's
+    alone (another user's, a link, a mode that lets others read it)."""
+    path = os.path.join(folder, name)
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    temporary = os.path.join(folder, f"{name}.{secrets.token_hex(8)}")
+    write_new_file(temporary, secrets.token_hex(32).encode())
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(temporary, path)
+    finally:
+        os.unlink(temporary)
+    return _read_key(path)
+
+
+def _read_key(path: str) -> bytes:
+    fd = open_regular(path, max_size=4096)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise NotPrivateError(path, f"is owned by {user_name(info.st_uid)}, not by this user")
+        if info.st_mode & 0o077:
+            raise NotPrivateError(
+                path, f"has mode {stat.S_IMODE(info.st_mode):04o}: other users may read it"
+            )
+        return os.read(fd, 4097).strip()
     finally:
         os.close(fd)
 

@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "_background_groups": 0,
     "_plain": 0,  # CPU copies of what the ranks send to the kernel: rank side and pool agents
     "_engine_parent": 0,  # run with -m on other hosts: the standard library only
+    "_controller_entry": 0,  # run with -m as the pool's controller: ipyparallel, no pool import
     "_private_files": 0,  # folders and files only this user reaches: forker, reaper, ranks
     "_notices": 0,  # what a rank tells the kernel unasked; the pool installs the carrier
     "_step_counter": 0,  # a stateful step count the kernel can unpickle without torch
@@ -50,6 +51,10 @@ LAYERS: dict[str, int] = {
     "_prechecked": 1,
     # an attachable job's records (run with -m over ssh: the standard library only)
     "_attach_records": 1,
+    # the user's checkpoint key (sealed disk checkpoints): ranks, and the kernel for a pool
+    "_owner_key": 1,
+    # whether another user could change a path: checkpoints, the pool's socket folder
+    "_path_trust": 1,
     # rank side: the FSDP1 API, the example models
     "fsdp": 1,
     "examples": 1,
@@ -88,6 +93,8 @@ RANK_SIDE = (
     "_prechecked",
     "_attach_records",
     "attachable",
+    "_owner_key",
+    "_path_trust",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).
 RANK_SIDE_POOL = ("fsdp_interactive.pool.rank", "fsdp_interactive.pool.common")

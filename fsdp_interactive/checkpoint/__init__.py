@@ -16,6 +16,10 @@ returns plain dataclasses a notebook panel can display.
   activation checkpointing) and Lightning Fabric's module: values are keyed by clean
   FQNs, so a checkpoint of one wrapping loads into another of the same architecture;
   what torch cannot checkpoint raises :class:`UnsupportedModelError`.
+* Private and sealed: folders 0700 and files 0600 unless ``mode=`` asks otherwise, the
+  manifest sealed with the user's checkpoint key; :func:`load` refuses a checkpoint
+  another user could have changed or did not seal (:class:`UntrustedCheckpointError`),
+  unless ``trusted=True``; :func:`trust` seals one the user vouches for.
 * :func:`list_checkpoints` / :func:`latest_checkpoint` (plain file reads, any process).
 * :func:`to_full` / :func:`from_full` (one process, no process group): convert between
   a checkpoint and a plain state-dict file (safetensors or ``torch.save``).
@@ -53,6 +57,7 @@ from fsdp_interactive.checkpoint._snapshot import (
     snapshot,
 )
 from fsdp_interactive.checkpoint._stateful import PerRankStateful, Stateful
+from fsdp_interactive.checkpoint._trust import trust
 from fsdp_interactive.checkpoint.errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -63,6 +68,7 @@ from fsdp_interactive.checkpoint.errors import (
     SnapshotObjectsError,
     SnapshotSpaceError,
     UnsupportedModelError,
+    UntrustedCheckpointError,
 )
 
 __all__ = [
@@ -88,6 +94,7 @@ __all__ = [
     "Stateful",
     "StepCounter",
     "UnsupportedModelError",
+    "UntrustedCheckpointError",
     "async_save",
     "drop_snapshots",
     "from_full",
@@ -100,6 +107,7 @@ __all__ = [
     "save",
     "snapshot",
     "to_full",
+    "trust",
     "wait_for_pending_save",
 ]
 

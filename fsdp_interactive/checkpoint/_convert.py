@@ -56,10 +56,14 @@ def _format_for(out: Path, fmt: str | None) -> FileFormat:
     return fmt  # type: ignore[return-value]
 
 
-def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The model part of a checkpoint as full CPU tensors (checksums verified first)."""
+def read_full_model_state(
+    checkpoint: str | os.PathLike, *, trusted: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model part of a checkpoint as full CPU tensors (checksums verified first; a
+    checkpoint that is not this user's is refused as :func:`~._load.load` refuses it,
+    unless ``trusted``)."""
     folder = Path(checkpoint).absolute()
-    manifest, metadata = check_folder(folder)
+    manifest, metadata, _ = check_folder(folder, trusted=trusted)
     verify_files(folder, manifest, metadata, Ranks(local=True), checksum=True)
     target: dict[str, Any] = {"model": {}}
     for key, path in section_paths(metadata, "model").items():
@@ -76,9 +80,16 @@ def read_full_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tens
 
 
 def to_full(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str | None = None
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    format: str | None = None,
+    trusted: bool = False,
 ) -> ConversionResult:
     """Write the checkpoint's model state as one plain state-dict file ``out``.
+
+    Only this user's checkpoints are read, as :func:`~fsdp_interactive.checkpoint.load`
+    reads them (``trusted=True``: a checkpoint the caller knows to be sound).
 
     ``format``: ``"safetensors"`` or ``"torch"``; by default chosen from ``out``'s suffix
     (``.safetensors`` -> safetensors, anything else -> ``torch.save``).
@@ -87,7 +98,7 @@ def to_full(
     fmt = _format_for(out_path, format)
     if out_path.is_dir():
         raise CheckpointPathError(f"output {str(out_path)!r} is a folder; expected a file path")
-    state = read_full_model_state(checkpoint)
+    state = read_full_model_state(checkpoint, trusted=trusted)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.partial-{_layout.new_token()}")
     try:

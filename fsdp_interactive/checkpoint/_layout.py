@@ -20,6 +20,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from fsdp_interactive import _path_trust
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord, read_manifest
 from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
 
@@ -27,6 +28,24 @@ logger = logging.getLogger(__name__)
 
 _PARTIAL_MARK = ".partial-"
 _REPLACED_MARK = ".replaced-"
+#: The mode of a checkpoint's folder unless a save asks for another (its files: 0600).
+DEFAULT_MODE = 0o700
+
+
+def check_mode(mode: object) -> int:
+    """``mode`` as a checkpoint folder's mode; ``ValueError`` naming the argument unless it
+    is permission bits (at most ``0o777``) that give the owner ``rwx``."""
+    if (
+        isinstance(mode, bool)
+        or not isinstance(mode, int)
+        or mode & ~0o777
+        or mode & 0o700 != 0o700
+    ):
+        raise ValueError(
+            f"mode must be a folder mode such as 0o700 (the default: only you) or 0o750 (your "
+            f"group may read), permission bits with rwx for the owner; got {mode!r}"
+        )
+    return mode
 
 
 def new_token() -> str:
@@ -42,12 +61,14 @@ def is_partial(path: Path) -> bool:
     return path.name.startswith(".") and _PARTIAL_MARK in path.name
 
 
-def check_save_target(final: Path, overwrite: bool) -> None:
-    """Raise :class:`CheckpointPathError` if a checkpoint cannot be saved at ``final``."""
+def check_save_target(final: Path, overwrite: bool, mode: int = DEFAULT_MODE) -> None:
+    """Raise :class:`CheckpointPathError` if a checkpoint cannot be saved at ``final``;
+    make the missing folders above it (mode ``mode``)."""
     if final.name in {"", ".", ".."} or final.name.startswith("."):
         raise CheckpointPathError(
             f"path {str(final)!r}: the checkpoint folder name must not be empty or start with '.'"
         )
+    refuse_open_target(final)
     if final.exists() and not final.is_dir():
         raise CheckpointPathError(
             f"path {str(final)!r} is a file; expected a checkpoint folder (new or existing)"
@@ -66,11 +87,63 @@ def check_save_target(final: Path, overwrite: bool) -> None:
     if root.exists() and not root.is_dir():
         raise CheckpointPathError(f"parent {str(root)!r} of the checkpoint path is a file")
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        make_folders(root, mode)
     except PermissionError as exc:
         raise CheckpointPathError(f"cannot create folder {str(root)!r}: no permission") from exc
     if not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointPathError(f"folder {str(root)!r} is not writable (no permission)")
+
+
+def refuse_open_target(final: Path) -> None:
+    """:class:`CheckpointPathError` naming the folder and what to do when another user
+    could replace what a save publishes at ``final`` (see the module)."""
+    found = _path_trust.open_place(final)
+    if found is None:
+        return
+    folder, reason = found
+    if reason.startswith("is owned by"):
+        advice = "save under a folder of your own"
+    else:
+        advice = (
+            f"make it writable by you alone (chmod go-w {folder}), give it the sticky bit "
+            f"(chmod +t {folder}), or save under a folder of your own"
+        )
+    raise CheckpointPathError(
+        f"refusing to save {final}: the folder {folder} {reason}, so another user could move "
+        f"the checkpoint aside and put their own in its place; {advice}"
+    )
+
+
+def make_folders(folder: Path, mode: int) -> None:
+    """Make ``folder`` and the missing folders above it, each with exactly ``mode``."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=mode)
+        except FileExistsError:
+            continue  # another process made it meanwhile: it keeps its own mode
+        os.chmod(path, mode)  # the umask took bits away
+
+
+def make_partial(final: Path, token: str) -> Path:
+    """The temporary folder of a save into ``final`` (:func:`partial_path`), made with mode
+    0700 whatever the umask (a name that exists is an error)."""
+    partial = partial_path(final, token)
+    partial.mkdir(mode=0o700)
+    os.chmod(partial, 0o700)
+    return partial
+
+
+def set_modes(folder: Path, mode: int) -> None:
+    """Give ``folder`` ``mode`` and every regular file in it ``mode & 0o666`` (links and
+    other entries are left alone)."""
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, mode & 0o666, follow_symlinks=False)
+    os.chmod(folder, mode)
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,8 +155,11 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def publish(partial: Path, final: Path) -> None:
-    """Rename the finished ``partial`` folder to ``final`` (replacing an old checkpoint)."""
+def publish(partial: Path, final: Path, *, mode: int | None = None) -> None:
+    """Rename the finished ``partial`` folder to ``final`` (replacing an old checkpoint);
+    with ``mode``, the folder and its files get their modes first (:func:`set_modes`)."""
+    if mode is not None:
+        set_modes(partial, mode)
     trash = None
     if final.exists():
         trash = final.parent / f".{final.name}{_REPLACED_MARK}{new_token()}"

@@ -3,7 +3,11 @@ Stateful objects.
 
 All-or-nothing: before anything is written into them,
 
-1. the manifest and DCP metadata are read (metadata with the allow-list unpickler);
+1. the checkpoint is checked to be this user's (:func:`check_folder`): no folder on the
+   way to it, and neither it nor a file in it, can be changed by another user, and its
+   seal holds under this user's checkpoint key (:mod:`._owner_seal`), unless the caller
+   says it trusts it (``trusted=True``); then the manifest and DCP metadata are read
+   (metadata with the allow-list unpickler, at most the size the manifest gives it);
 2. every data file is checked against the manifest's size and SHA-256, the files split
    across the ranks (``verify=False`` checks sizes only);
 3. the checkpoint's keys and shapes are compared with the model's (and the optimizer's
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,13 +39,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from fsdp_interactive import _owner_key as _owner_key_module
+from fsdp_interactive import _path_trust
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._text import first_few
 from fsdp_interactive._torch_compat import ShardedTensor, set_element
-from fsdp_interactive.checkpoint import _manifest, _state, _stateful
+from fsdp_interactive.checkpoint import _manifest, _owner_seal, _state, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT
 from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
 from fsdp_interactive.checkpoint._safe_reader import (
+    METADATA_FILE,
     read_metadata,
     safe_load,
     section_paths,
@@ -51,6 +59,7 @@ from fsdp_interactive.checkpoint.errors import (
     CheckpointPathError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    UntrustedCheckpointError,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,15 +88,67 @@ class LoadReport:
     loaded_stateful: list[str] = field(default_factory=list)
 
 
-def check_folder(path: Path) -> tuple[_manifest.Manifest, Metadata]:
-    """The manifest and DCP metadata of the checkpoint folder ``path`` (no data read)."""
+def check_folder(
+    path: Path, *, trusted: bool = False
+) -> tuple[_manifest.Manifest, Metadata, dict[str, Any]]:
+    """The manifest, DCP metadata and ``extra`` of the checkpoint folder ``path`` (no data
+    read), once it is known to be this user's: :class:`UntrustedCheckpointError` naming
+    the folder or file when another user could have changed it or its seal does not hold
+    (neither is checked with ``trusted``). Every file is read without following a link or
+    waiting on a FIFO, with a bound on its size."""
     if not path.exists():
         raise CheckpointPathError(f"checkpoint path {str(path)!r} does not exist")
     if not path.is_dir():
         raise CheckpointPathError(f"checkpoint path {str(path)!r} is a file; expected a folder")
-    manifest = _manifest.read_manifest(path)
-    metadata = read_metadata(path)
-    return manifest, metadata
+    if not trusted:
+        _refuse_open(path)
+    manifest_json = _manifest.read_manifest_text(path)
+    extra_json = _manifest.read_json_text(path / _manifest.EXTRA_FILE, "extra data")
+    if not trusted:
+        seal_json = _manifest.read_json_text(path / _owner_seal.SEAL_FILE, "the seal")
+        _owner_seal.check(_owner_key(), path, manifest_json, extra_json, seal_json)
+    manifest = _manifest.Manifest.from_json(manifest_json, path / _manifest.MANIFEST_FILE)
+    listed = manifest.files.get(METADATA_FILE)
+    metadata = read_metadata(path, limit=listed.size if listed is not None else None)
+    return manifest, metadata, _manifest.read_extra(path, extra_json)
+
+
+def _owner_key() -> bytes:
+    try:
+        return _owner_key_module.owner_key()
+    except _owner_key_module.OwnerKeyError as exc:
+        raise UntrustedCheckpointError(f"cannot check the checkpoint's seal: {exc}") from None
+
+
+def open_entry(path: Path) -> tuple[Path, str] | None:
+    """What another user could change of the checkpoint folder ``path`` (a folder on the
+    way to it, it, or a file in it: see :mod:`fsdp_interactive._path_trust`), with what
+    lets them; ``None`` when nothing."""
+    found = _path_trust.open_place(path)
+    if found is not None:
+        return found
+    for entry in sorted(path.iterdir()):
+        info = entry.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            continue  # a link is no file of a checkpoint: refused when it is read
+        reason = _path_trust.why_file_open(info)
+        if reason is not None:
+            return entry, reason
+    return None
+
+
+def _refuse_open(path: Path) -> None:
+    """:class:`UntrustedCheckpointError` when another user could change the checkpoint
+    folder ``path`` (:func:`open_entry`)."""
+    found = open_entry(path)
+    if found is None:
+        return
+    where, reason = found
+    raise UntrustedCheckpointError(
+        f"refusing to load {path}: {where} {reason}, so another user could have changed the "
+        f"checkpoint; load it only if you trust whoever can write there (trusted=True)",
+        file=str(where),
+    )
 
 
 def verify_files(
@@ -354,6 +415,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     in_place: bool = False,
+    trusted: bool = False,
 ) -> LoadReport:
     """Load the checkpoint folder ``path`` into ``model`` (and ``optimizer``, and the
     ``stateful`` objects); collective.
@@ -375,6 +437,15 @@ def load(
     where they are its storage (:mod:`._in_place`; one copy less), last, after the
     Stateful objects took theirs (a read that fails then, which no check caught, leaves
     the model partly loaded).
+
+    Only this user's checkpoints load: one another user could have changed (a folder on
+    the way to it, the checkpoint's folder or one of its files can be written by another
+    user, or is owned by one), and one whose seal does not hold under this user's
+    checkpoint key (another user's, one saved before checkpoints were sealed, or one
+    planted with recomputed checksums), raise :class:`UntrustedCheckpointError` naming
+    the folder or file. ``trusted=True`` skips both checks, for a checkpoint the caller
+    knows to be sound (a colleague's); sizes and checksums are still checked, and nothing
+    is unpickled freely.
     """
     return load_with_state(
         path,
@@ -385,6 +456,7 @@ def load(
         verify=verify,
         in_place=in_place,
         model_state=None,
+        trusted=trusted,
     )
 
 
@@ -398,6 +470,7 @@ def load_with_state(
     verify: bool,
     in_place: bool,
     model_state: dict[str, Any] | None,
+    trusted: bool = False,
 ) -> LoadReport:
     """:func:`load`, given ``model_state``: ``_state.model_state(model)`` as the caller
     computed it since the model last changed (``None``: computed here), so that a caller
@@ -407,7 +480,7 @@ def load_with_state(
     ranks = Ranks()
     INFLIGHT.make_room("wait", ranks)
     folder = Path(path).absolute()
-    found = _agreed(ranks, lambda: (*check_folder(folder), _manifest.read_extra(folder)))
+    found = _agreed(ranks, lambda: check_folder(folder, trusted=bool(trusted)))
     manifest, metadata, extra = found
     logger.info(
         "load %s: step %s, saved by %d ranks (%d files, stateful %s); loading on %d ranks%s",

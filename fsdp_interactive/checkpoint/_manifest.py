@@ -15,9 +15,11 @@ plus two JSON files written last, by rank 0:
 
 A manifest names plain file names of its folder only (no ``/``, no ``..``): any other
 entry makes it invalid. Files are checked without following links, and only regular
-files pass (a link to ``/dev/zero`` is refused, it does not hang the check). A folder
-without a readable manifest is not listed as a checkpoint. Nothing here talks to other
-ranks.
+files pass (a link to ``/dev/zero`` is refused, it does not hang the check). The JSON
+files are read without following a link or waiting on a FIFO, and at most
+:data:`~fsdp_interactive._private_files.SMALL_FILE_LIMIT` bytes of each
+(:func:`read_json_text`). A folder without a readable manifest is not listed as a
+checkpoint. Nothing here talks to other ranks.
 """
 
 from __future__ import annotations
@@ -179,20 +181,34 @@ class Manifest:
         )
 
 
-def read_manifest(folder: str | os.PathLike) -> Manifest:
-    """Read ``<folder>/manifest.json``; :class:`CorruptCheckpointError` if absent or bad."""
-    path = Path(folder) / MANIFEST_FILE
+def read_json_text(path: Path, what: str) -> str | None:
+    """The text of the small file ``path`` (``None`` when it is missing), read as
+    :func:`~fsdp_interactive._private_files.read_regular` reads (no link followed, no
+    wait on a FIFO, at most ``SMALL_FILE_LIMIT`` bytes); :class:`CorruptCheckpointError`
+    naming ``what`` and the file when it cannot be read."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return _private_files.read_regular(path).decode("utf-8")
     except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read {what} ({exc})", file=str(path)) from exc
+
+
+def read_manifest_text(folder: str | os.PathLike) -> str:
+    """The text of ``<folder>/manifest.json`` (:func:`read_json_text`);
+    :class:`CorruptCheckpointError` when it is missing or unreadable."""
+    path = Path(folder) / MANIFEST_FILE
+    text = read_json_text(path, "the manifest")
+    if text is None:
         raise CorruptCheckpointError(
             f"{path}: manifest missing: {folder} is not a published checkpoint", file=str(path)
-        ) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"{path}: cannot read manifest ({exc})", file=str(path)
-        ) from exc
-    return Manifest.from_json(text, path)
+        )
+    return text
+
+
+def read_manifest(folder: str | os.PathLike) -> Manifest:
+    """Read ``<folder>/manifest.json``; :class:`CorruptCheckpointError` if absent or bad."""
+    return Manifest.from_json(read_manifest_text(folder), Path(folder) / MANIFEST_FILE)
 
 
 def hash_file(path: Path, algorithm: str = SHA256) -> FileRecord:
@@ -253,21 +269,30 @@ def encode_extra(extra: Mapping[str, Any] | None) -> str:
 
     check_numbers(extra, "")
     try:
-        return json.dumps(dict(extra), indent=2, sort_keys=True, allow_nan=False)
+        text = json.dumps(dict(extra), indent=2, sort_keys=True, allow_nan=False)
     except TypeError as exc:
         raise TypeError(
             f"extra must hold only JSON data (dict/list/str/int/float/bool/None): {exc}"
         ) from exc
+    if len(text.encode("utf-8")) > _private_files.SMALL_FILE_LIMIT:
+        raise ValueError(
+            f"extra is {len(text.encode('utf-8'))} bytes as JSON; at most "
+            f"{_private_files.SMALL_FILE_LIMIT} fit (keep large data in a file of its own)"
+        )
+    return text
 
 
-def read_extra(folder: Path) -> dict[str, Any]:
-    """The ``extra`` mapping saved with a checkpoint (``{}`` if none was saved)."""
+def read_extra(folder: Path, text: str | None = None) -> dict[str, Any]:
+    """The ``extra`` mapping saved with a checkpoint (``{}`` if none was saved); ``text``:
+    the content of its ``extra.json`` read already (``None``: read here)."""
     path = folder / EXTRA_FILE
-    if not path.exists():
+    if text is None:
+        text = read_json_text(path, "extra data")
+    if text is None:
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        data = json.loads(text)
+    except ValueError as exc:
         raise CorruptCheckpointError(f"{path}: invalid extra data ({exc})", file=str(path)) from exc
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"{path}: extra data is not a JSON object", file=str(path))

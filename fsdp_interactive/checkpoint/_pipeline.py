@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -47,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._torch_compat import ShardedTensor, local_tensor
-from fsdp_interactive.checkpoint import _layout, _manifest, _state, _stateful
+from fsdp_interactive.checkpoint import _layout, _manifest, _owner_seal, _state, _stateful
 from fsdp_interactive.checkpoint._handle import INFLIGHT, SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
@@ -68,6 +67,8 @@ class SaveRequest:
     keep_last: int | None
     overwrite: bool
     extra_json: str
+    #: The checkpoint folder's mode (its files: ``mode & 0o666``).
+    mode: int = _layout.DEFAULT_MODE
 
     @classmethod
     def of(
@@ -78,6 +79,7 @@ class SaveRequest:
         keep_last: int | None,
         overwrite: bool,
         extra: Mapping[str, Any] | None,
+        mode: int = _layout.DEFAULT_MODE,
     ) -> SaveRequest:
         """Validate the arguments of a save; ``TypeError``/``ValueError`` naming the bad one."""
         if keep_last is not None and (
@@ -89,7 +91,8 @@ class SaveRequest:
             step = extra["step"]
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-        return cls(Path(path).absolute(), step, keep_last, bool(overwrite), extra_json)
+        mode = _layout.check_mode(mode)
+        return cls(Path(path).absolute(), step, keep_last, bool(overwrite), extra_json, mode)
 
 
 @dataclass(frozen=True)
@@ -181,11 +184,11 @@ def plan(request: SaveRequest, mode: Mode, ranks: Ranks, *, started: float) -> S
     final = request.final
 
     def preflight() -> str:
-        _layout.check_save_target(final, request.overwrite)
+        _layout.check_save_target(final, request.overwrite, request.mode)
         _layout.remove_stale_partials(final.parent)
         token = _layout.new_token()
         try:
-            _layout.partial_path(final, token).mkdir()
+            _layout.make_partial(final, token)
         except PermissionError as exc:
             raise CheckpointPathError(f"folder {str(final.parent)!r} is not writable") from exc
         return token
@@ -223,26 +226,20 @@ def run(plan: SavePlan, captured: Capture, ranks: Ranks) -> SaveHandle:
     contents = captured.contents
     if plan.mode == "sync":
         _write(captured.state, plan, ranks)
-        handle._finish(_finalize(plan, contents, ranks))
+        handle.set_result(_finalize(plan, contents, ranks))
         return handle
     side = Ranks(background_gloo_group("checkpoint")) if ranks.distributed else ranks
     upload = _stage(captured.state, plan, side)
 
-    def background() -> None:
-        try:
-            _await_upload(upload, plan, side)
-            result = _finalize(plan, contents, side)
-        except BaseException as exc:
-            logger.info("async save %s failed: %s", plan.final, exc)
-            handle._finish(None, exc)
-        else:
-            handle._finish(result)
+    def background() -> SaveResult:
+        _await_upload(upload, plan, side)
+        return _finalize(plan, contents, side)
+
+    def failed(exc: BaseException) -> None:
+        logger.info("async save %s failed: %s", plan.final, exc)
 
     INFLIGHT.hold(handle)
-    thread = threading.Thread(
-        target=background, name=f"checkpoint-save:{plan.final.name}", daemon=True
-    )
-    thread.start()
+    handle.run_in_thread(background, f"checkpoint-save:{plan.final.name}", failed)
     return handle
 
 
@@ -427,14 +424,16 @@ def _finalize(plan: SavePlan, contents: Contents, ranks: Ranks) -> SaveResult:
             files=files,
             stateful=contents.stateful,
         )
+        manifest_json = manifest.to_json()
         _manifest.write_text_durably(partial / _manifest.EXTRA_FILE, request.extra_json)
-        _manifest.write_text_durably(partial / _manifest.MANIFEST_FILE, manifest.to_json())
+        _manifest.write_text_durably(partial / _manifest.MANIFEST_FILE, manifest_json)
+        _owner_seal.write_seal(partial, manifest_json, request.extra_json)
         _layout.fsync_dir(partial)
         record = manifest.record(final)
         logger.info(
             "manifest of %s: %d files, %d bytes", final, record.num_files, record.size_bytes
         )
-        _layout.publish(partial, final)
+        _layout.publish(partial, final, mode=request.mode)
         keep_last = request.keep_last
         removed = _layout.rotate(final.parent, keep_last, protect=final) if keep_last else []
         return SaveResult(

@@ -34,6 +34,8 @@ import io
 import math
 import os
 import pickle
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -41,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -121,15 +124,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
+#: The most a ``.metadata`` file whose size no manifest gives may hold.
+METADATA_LIMIT = 1 << 30
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike, *, limit: int | None = None) -> Metadata:
     """Load and validate ``<checkpoint_dir>/.metadata`` without arbitrary unpickling.
 
-    Raises :class:`CorruptCheckpointError` naming the file when it is missing, truncated,
-    refers to disallowed globals, or describes storage outside the checkpoint folder.
+    The file is read as :func:`fsdp_interactive._private_files.read_regular` reads (no
+    link followed, no wait on a FIFO), at most ``limit`` bytes (its size in the manifest;
+    ``None``: :data:`METADATA_LIMIT`). Raises :class:`CorruptCheckpointError` naming the
+    file when it is missing, larger, truncated, refers to disallowed globals, or
+    describes storage outside the checkpoint folder.
     """
     path = Path(checkpoint_dir) / METADATA_FILE
+    bound = METADATA_LIMIT if limit is None else limit
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(_private_files.read_regular(path))).load()
+        data = _private_files.read_regular(path, limit=bound)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path}: the DCP metadata file is missing (not a checkpoint, or an unfinished save)",
@@ -194,19 +206,40 @@ def storage_extents(metadata: Metadata) -> dict[str, int]:
     return need
 
 
+class _RegularFilesOnly(FileSystem):
+    """DCP's local file system, whose streams for reading open only regular files, without
+    following a link or waiting on a FIFO (:func:`_private_files.open_regular`)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with os.fdopen(_private_files.open_regular(path), "rb") as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read by :func:`read_metadata`.
+    """``FileSystemReader`` whose metadata is read by :func:`read_metadata`, and whose data
+    files are opened as regular files only (:class:`_RegularFilesOnly`).
 
     Data-file read failures are re-raised as :class:`CorruptCheckpointError` naming the
-    file.
+    file. ``metadata``: the folder's, read already by :func:`read_metadata` (``None``:
+    read when DCP asks).
     """
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self.fs = _RegularFilesOnly()
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CorruptCheckpointError(
                 f"{self.path}: per-rank metadata files are not supported", file=str(self.path)
             )
-        metadata = read_metadata(self.path)
+        metadata = self._metadata if self._metadata is not None else read_metadata(self.path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -403,12 +436,13 @@ def safe_load(
     arbitrary unpickling), in this process alone (DCP's ``no_dist``: no collective, so
     ranks of a group agree on errors themselves); DCP's errors propagate unchanged.
     ``metadata``: the folder's, already read by :func:`read_metadata` (``None``: read
-    here); it picks the reader, and the raw format's reader uses it (DCP's own reads the
-    file again)."""
+    here); it picks the reader, which uses it."""
     if metadata is None:
         metadata = read_metadata(folder)
     reader: StorageReader = (
-        RawReader(folder, metadata) if is_raw(metadata) else SafeFileSystemReader(str(folder))
+        RawReader(folder, metadata)
+        if is_raw(metadata)
+        else SafeFileSystemReader(str(folder), metadata)
     )
     with single_process_quietly():
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)

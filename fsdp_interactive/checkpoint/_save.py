@@ -54,6 +54,7 @@ def save(
     keep_last: int | None = None,
     overwrite: bool = False,
     if_busy: IfBusy = "wait",
+    mode: int = 0o700,
 ) -> SaveResult:
     """Save ``model`` (and ``optimizer``) to the checkpoint folder ``path``; collective.
 
@@ -66,9 +67,17 @@ def save(
     parent folder after publishing. An existing checkpoint at ``path`` is replaced only
     with ``overwrite=True``. The checkpoint appears under ``path`` (one rename) only once
     complete; every rank returns the same :class:`SaveResult` or raises the same error.
+
+    Private by default, whatever the umask: the checkpoint's folder (and each folder the
+    save makes above it) gets ``mode`` (0o700: only you), its files ``mode & 0o666``
+    (0o600); ``mode=0o750`` lets your group read it. Its manifest is sealed with your
+    checkpoint key (docs/security.md), so that :func:`load` refuses a checkpoint someone
+    else put in its place. A ``path`` where another user could do that, below a folder
+    another user owns or can write without the sticky bit, is refused
+    (:class:`CheckpointPathError` naming the folder and what to do).
     """
     request = _pipeline.SaveRequest.of(
-        path, step=step, keep_last=keep_last, overwrite=overwrite, extra=extra
+        path, step=step, keep_last=keep_last, overwrite=overwrite, extra=extra, mode=mode
     )
     return _start(request, model, optimizer, mode="sync", stateful=stateful, if_busy=if_busy).wait()
 
@@ -84,6 +93,7 @@ def async_save(
     keep_last: int | None = None,
     overwrite: bool = False,
     if_busy: IfBusy = "wait",
+    mode: int = 0o700,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is staged to CPU memory.
 
@@ -91,10 +101,11 @@ def async_save(
     on; the returned :class:`SaveHandle` reports the outcome. Staging copies the state
     (Stateful states are copied when captured), so later in-place updates of the
     parameters, the optimizer or a scheduler do not leak into the checkpoint. Uses
-    ``torch.distributed.checkpoint.async_save`` over a dedicated gloo group.
+    ``torch.distributed.checkpoint.async_save`` over a dedicated gloo group. ``mode``
+    and what is refused: as for :func:`save`.
     """
     request = _pipeline.SaveRequest.of(
-        path, step=step, keep_last=keep_last, overwrite=overwrite, extra=extra
+        path, step=step, keep_last=keep_last, overwrite=overwrite, extra=extra, mode=mode
     )
     return _start(request, model, optimizer, mode="async", stateful=stateful, if_busy=if_busy)
 

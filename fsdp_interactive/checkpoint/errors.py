@@ -92,6 +92,15 @@ class CorruptCheckpointError(CheckpointError):
         return (type(self), (str(self), self.file))
 
 
+class UntrustedCheckpointError(CorruptCheckpointError):
+    """A checkpoint this user cannot vouch for: not sealed with this user's checkpoint key
+    (another user's, an older version's, or planted by someone who recomputed its
+    checksums), or lying where another user could change it. ``file`` names the file or
+    folder. The message says how to load it anyway once it is known to be the user's
+    (``trusted=True``, ``fsdp_interactive.checkpoint.trust``). Nothing was loaded.
+    """
+
+
 class IncompatibleCheckpointError(CheckpointError):
     """The checkpoint does not fit the model/optimizer it is loaded into.
 

@@ -85,7 +85,7 @@ def run_demo(
     (default: one per visible GPU, else 2 CPU ranks) is started and stopped here, also on
     failure. Progress, the shard layout and a gradient-norm summary go to ``out``.
     """
-    from fsdp_interactive.notebook.render import grad_norms_text
+    from fsdp_interactive.notebook.render import render_grad_norms
     from fsdp_interactive.pool import Pool
 
     out = out or sys.stdout
@@ -114,7 +114,7 @@ def run_demo(
         result.grad_norms = probes[0][1]
         print("\n" + _layout_summary(result.layout), file=out)
         shallow = replace(result.grad_norms, modules=shallow_modules(result.grad_norms.modules))
-        print("\n" + grad_norms_text(shallow, by="modules"), file=out)
+        print("\n" + render_grad_norms(shallow, by="modules").text(), file=out)
         target = out_dir / "checkpoints" / f"step-{len(result.losses):06d}"
         saved = pool.call(_rank_job.save, str(target))[0]
         result.checkpoint, result.checkpoint_bytes = saved["path"], saved["bytes"]

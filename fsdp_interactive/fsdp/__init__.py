@@ -13,42 +13,14 @@ Rank side only: importing this module never touches CUDA.
 from __future__ import annotations
 
 from fsdp_interactive._lazy_exports import public_names
-from fsdp_interactive.fsdp.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    OptimStateKeyType,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
+from fsdp_interactive.fsdp import api
+
+# The enums and configs: the one list of them is api.__all__ (api.py mirrors
+# torch.distributed.fsdp.api, which FSDP1 code may import by that path too).
+from fsdp_interactive.fsdp.api import *  # noqa: F403
 from fsdp_interactive.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "OptimStateDictConfig",
-    "OptimStateKeyType",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-]
+__all__ = ["FullyShardedDataParallel"]
+__all__ += api.__all__
 
 __dir__ = public_names(__name__)

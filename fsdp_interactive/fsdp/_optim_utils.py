@@ -24,7 +24,14 @@ Differences from torch FSDP1, following from FSDP2 having no flat parameter:
 The legacy functions (``full_``, ``sharded_``, ``shard_full_``, ``scatter_full_``,
 ``flatten_sharded_optim_state_dict``) emit the same kind of ``FutureWarning`` torch FSDP1
 emits, pointing at ``optim_state_dict`` / ``optim_state_dict_to_load``, because they are
-legacy in the FSDP1 API itself.
+legacy in the FSDP1 API itself. They are kept, deprecated, for as long as torch keeps
+them: torch's ``FullyShardedDataParallel`` still has all five (checked on 2.13, where
+they warn the same way), FSDP1 training code and checkpoint recipes call them, and
+dropping them here would make moving such code more than a change of one import. Each is
+a few lines over the paths :func:`optim_state_dict` and :func:`optim_state_dict_to_load`
+use. The conformance tests (``tests/fsdp/conformance/test_optim_state.py``) run them on
+torch's class and on ours alike, so a torch release without them fails there: remove
+them then.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 These are *torch's own* classes (``torch.distributed.fsdp.api``), not copies: FSDP1 code that
 changes only its ``FullyShardedDataParallel`` import keeps passing ``torch.distributed.fsdp``
 enums and configs, and :class:`~fsdp_interactive.fsdp.FullyShardedDataParallel` accepts them
-because they are the same objects.
+because they are the same objects. The package :mod:`fsdp_interactive.fsdp` exports
+every name of this module's ``__all__`` (this list is the one list of them); this module
+mirrors ``torch.distributed.fsdp.api`` (plus ``OptimStateKeyType``, which torch keeps in
+``fully_sharded_data_parallel``) for code that imports the enums by that path.
 """
 
 from __future__ import annotations

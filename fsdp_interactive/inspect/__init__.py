@@ -14,6 +14,8 @@ understand raises ``UnsupportedWrapping`` (exported here) naming the class.
 * ``summon_stats(model, fqn)`` -> ``TensorStats``; ``edit_param(model, fqn, expression)``
   writes an edited full parameter back (collectives over the mesh).
 * ``memory()`` -> ``MemoryStats`` (no communication).
+* ``PROBES``: the probes above, each declared once with its record type and how the
+  ranks' answers combine (``RankModel.ask`` asks any of them from the kernel).
 * ``clean_name(model, name)``: the clean FQN of a parameter or module named either way.
 * ``plain_copy(value, max_bytes)``: a CPU copy of a (D)Tensor for the kernel, size-limited;
   its ``ValueError`` for a value over the limit contains ``TOO_LARGE``.
@@ -34,11 +36,13 @@ from fsdp_interactive._lazy_exports import lazy_exports
 # (on the ranks): a kernel that shows a record never imports torch for it.
 from fsdp_interactive.inspect._records import (
     NO_GRADIENTS,
+    PROBES,
     GradNormRecord,
     GradNorms,
     MemoryStats,
     ModelLayout,
     ParamLayout,
+    Probe,
     RankLayout,
     RankTotals,
     ShardSlice,
@@ -51,18 +55,15 @@ from fsdp_interactive.inspect._records import (
 )
 
 _INSPECT = "fsdp_interactive.inspect"
-#: Each name exported on first use, and the module it comes from.
+#: Each name exported on first use, and the module it comes from: every probe of
+#: ``PROBES``, and the helpers beside them.
 _LAZY = {
-    "grad_norms": f"{_INSPECT}._grad_norms",
-    "layout": f"{_INSPECT}._layout",
-    "memory": f"{_INSPECT}._memory",
+    **{probe.name: probe.module for probe in PROBES.values()},
     "clean_name": f"{_INSPECT}._names",
     "TOO_LARGE": f"{_INSPECT}._pull",
     "full_param": f"{_INSPECT}._pull",
     "plain_copy": f"{_INSPECT}._pull",
     "GradNormRecorder": f"{_INSPECT}._recorder",
-    "edit_param": f"{_INSPECT}._summon",
-    "summon_stats": f"{_INSPECT}._summon",
     "UnsupportedWrapping": "fsdp_interactive.wrapping",
     "UnknownName": "fsdp_interactive.wrapping",
     "ProbeInputError": f"{_INSPECT}._inputs",
@@ -74,6 +75,11 @@ _LAZY = {
 NO_GRADIENTS: str
 """What a gradient-norm record (its ``repr``) and the views say before the first backward."""
 
+PROBES: dict[str, Probe]
+"""Every probe by name (:class:`Probe`: its module, record type and how the ranks'
+answers combine): the one place a probe is declared; the package exports each, and
+``RankModel.ask`` asks any of them on a pool's ranks."""
+
 #: Declared for the API reference (the value comes from ``_pull`` when first used):
 TOO_LARGE: str
 """The words in the ``ValueError`` of ``plain_copy`` and ``full_param`` for a value over
@@ -84,6 +90,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "NO_GRADIENTS",
+    "PROBES",
     "TOO_LARGE",
     "GradNormRecord",
     "GradNormRecorder",
@@ -91,6 +98,7 @@ __all__ = [
     "MemoryStats",
     "ModelLayout",
     "ParamLayout",
+    "Probe",
     "ProbeInputError",
     "RankLayout",
     "RankTotals",
@@ -101,15 +109,11 @@ __all__ = [
     "check_sources",
     "clean_name",
     "combine_norms",
-    "edit_param",
     "find_spikes",
     "full_param",
-    "grad_norms",
-    "layout",
-    "memory",
     "merge_layouts",
     "plain_copy",
     "record_from_json",
     "record_to_json",
-    "summon_stats",
 ]
+__all__ += PROBES  # every declared probe, exported when first used

@@ -1,4 +1,5 @@
-"""Plain records that the rank-side probes return and the notebook side renders.
+"""Plain records that the rank-side probes return and the notebook side renders, and the
+probes that return them (:data:`PROBES`).
 
 Everything here is torch-free on purpose: these dataclasses cross the wire between the
 ranks and the notebook kernel (pickled by the pool) and are rendered by the widgets and
@@ -7,12 +8,20 @@ placements are strings.
 
 The merge helpers combine the per-rank answers of one probe call (the list a pool's
 ``call`` returns, in rank order) into one picture.  They do no communication.
+
+A probe is declared once, in :data:`PROBES`, beside the record it answers with: its
+name (what ``fsdp_interactive.inspect`` exports), the module that defines it (imported on
+the ranks when first called, so the kernel never imports torch for it) and how the
+ranks' answers combine into the one the kernel shows. The package exports every declared
+probe; ``RankModel.ask`` asks any of them on a pool's ranks; the notebook side renders an
+answer by its record type (``notebook/render.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -359,3 +368,47 @@ def record_from_json(line: str) -> GradNormRecord:
         nan_count=int(data.get("nan_count", 0)),
         inf_count=int(data.get("inf_count", 0)),
     )
+
+
+def rank0_answer(answers: Sequence[Any]) -> Any:
+    """The answer of a probe every rank answers alike (a collective's result): rank 0's."""
+    return answers[0]
+
+
+def by_rank(answers: Sequence[Any]) -> list[Any]:
+    """The answers of a probe every rank answers for itself (records with a ``rank``
+    field), in rank order."""
+    return sorted(answers, key=lambda answer: answer.rank)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe as the kernel asks for it on the ranks.
+
+    ``fsdp_interactive.inspect.<name>``, defined in ``module`` (imported on the ranks when
+    first called), runs on every rank and answers there with a ``record``; ``combine``
+    makes the ranks' answers (in rank order) the one answer the kernel shows;
+    ``on_model``: its first argument is the model.
+    """
+
+    name: str
+    module: str
+    record: type
+    combine: Callable[[Sequence[Any]], Any]
+    on_model: bool = True
+
+
+def _declare(*probes: Probe) -> dict[str, Probe]:
+    return {probe.name: probe for probe in probes}
+
+
+_INSPECT = "fsdp_interactive.inspect"
+
+#: Every probe, by name: the one place a probe is declared (see the module docstring).
+PROBES = _declare(
+    Probe("layout", f"{_INSPECT}._layout", RankLayout, merge_layouts),
+    Probe("grad_norms", f"{_INSPECT}._grad_norms", GradNorms, rank0_answer),
+    Probe("summon_stats", f"{_INSPECT}._summon", TensorStats, rank0_answer),
+    Probe("edit_param", f"{_INSPECT}._summon", TensorStats, rank0_answer),
+    Probe("memory", f"{_INSPECT}._memory", MemoryStats, by_rank, on_model=False),
+)

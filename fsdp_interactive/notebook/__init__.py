@@ -11,7 +11,8 @@ through the probes in :mod:`fsdp_interactive.inspect`.
   for a name) in the kernel, naming the close matches.
 * Views, each a widget in a live kernel and text/HTML elsewhere: ``LayoutView``,
   ``SummonPanel``, ``GradNormView``, ``GradNormMonitor``, ``Dashboard``,
-  ``CheckpointPanel``, ``SnapshotPanel`` (snapshots in host memory and Recover).
+  ``CheckpointPanel``, ``SnapshotPanel`` (snapshots in host memory and Recover), and
+  ``ProbeView`` for any probe of ``fsdp_interactive.inspect.PROBES`` (``RankModel.ask``).
 * :mod:`fsdp_interactive.notebook.plots`: the matplotlib figures from plain records.
 
 Names are imported lazily so that loading the magics does not import matplotlib.
@@ -31,6 +32,7 @@ _LAZY = {
     "Dashboard": "fsdp_interactive.notebook.dashboard",
     "CheckpointPanel": "fsdp_interactive.notebook.checkpoint_panel",
     "SnapshotPanel": "fsdp_interactive.notebook.snapshot_panel",
+    "ProbeView": "fsdp_interactive.notebook.probe_view",
     "ProbeInputError": "fsdp_interactive.notebook._probe_input",
     "UnknownNameError": "fsdp_interactive.notebook._probe_input",
 }

@@ -7,6 +7,7 @@ shows for the running cell.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -116,3 +117,9 @@ def cell_hang_notice(seconds: float | None, off: bool, command: str) -> float | 
             "(or --no-hang-notice for none)"
         )
     return seconds
+
+
+def stream_default() -> bool:
+    """Stream a cell's output unless ``IPP_NONINTERACTIVE`` is set (as ``%%px`` does, for
+    nbval runs)."""
+    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")

@@ -1,8 +1,13 @@
-"""What every view shares: a widget built on demand and text/HTML fallbacks."""
+"""What every view shares: a widget built on demand and text/HTML fallbacks, and the
+controls its widget shows (Refresh, a filter box, top-k, a choice of buttons) tied to the
+view's settings.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import html
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -21,6 +26,82 @@ def png_image() -> Any:
     import ipywidgets as w
 
     return w.Image(format="png", layout=w.Layout(align_self="flex-start"))
+
+
+def refresh_button(view: Any, description: str = "Refresh", what: str = "refresh") -> Any:
+    """The button that calls ``view.refresh()``; disabled for a view built from fixed data
+    (its ``source`` is ``None``); an error shows in the view's error box as ``"<what>
+    failed: ..."``."""
+    import ipywidgets as w
+
+    button = w.Button(description=description, icon="refresh", disabled=view.source is None)
+    button.on_click(view._clicked(view.refresh, what))
+    return button
+
+
+def filter_box(pattern: str | None, placeholder: str) -> Any:
+    """The filter box: a substring or a glob, applied when the user presses Enter."""
+    import ipywidgets as w
+
+    return w.Text(
+        value=pattern or "",
+        placeholder=placeholder,
+        description="filter",
+        continuous_update=False,
+        layout=w.Layout(width="260px"),
+    )
+
+
+def top_box(top: int) -> Any:
+    """How many rows a table shows at most."""
+    import ipywidgets as w
+
+    return w.BoundedIntText(
+        value=top, min=1, max=10**6, description="top", layout=w.Layout(width="150px")
+    )
+
+
+def choice_buttons(options: Sequence[Any], value: Any) -> Any:
+    """One of a few choices (``options``: values, or (label, value) pairs) as buttons."""
+    import ipywidgets as w
+
+    return w.ToggleButtons(options=list(options), value=value, style={"button_width": "auto"})
+
+
+class Controls:
+    """A view's controls by the setting each shows (``name -> widget``).
+
+    A value the user changes calls ``apply(**every control's value)`` (an error shows in
+    the view's error box, as for a click); values the view writes back with :meth:`show`
+    (after ``show(...)`` or ``refresh()`` changed them) call nothing.
+    """
+
+    def __init__(self, view: View, apply: Callable[..., Any], **widgets: Any):
+        self.widgets = widgets
+        self._syncing = False
+        callback = view._clicked(lambda: self._values_to(apply), "filter")
+        for widget in widgets.values():
+            widget.observe(lambda _change: callback(), names="value")
+
+    def _values_to(self, apply: Callable[..., Any]) -> None:
+        if not self._syncing:
+            apply(**{name: widget.value for name, widget in self.widgets.items()})
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """While inside, changed values call nothing (for a change beyond :meth:`show`,
+        such as a dropdown's options)."""
+        self._syncing = True
+        try:
+            yield
+        finally:
+            self._syncing = False
+
+    def show(self, **values: Any) -> None:
+        """Set the controls to the view's settings, calling nothing."""
+        with self.syncing():
+            for name, value in values.items():
+                self.widgets[name].value = value
 
 
 class View:

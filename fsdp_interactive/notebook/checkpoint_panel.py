@@ -175,6 +175,7 @@ class CheckpointPanel(StatusView):
             f"_fsdp_interactive_checkpoint.load({self._path(name)!r}, {model}, {optimizer}, "
             f"strict={strict!r})"
         )[0]
+        self.source.pool.journal.note_outside(f"checkpoint {name} loaded into {model}")
         self.status = f"loaded {name} (step {report.step}) in {report.seconds:.2f}s"
         self._changed()
         return report

@@ -13,12 +13,7 @@ from fsdp_interactive.notebook.layout_view import LayoutView
 from fsdp_interactive.notebook.monitor import GradNormMonitor
 from fsdp_interactive.notebook.plots import memory_figure
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import (
-    memory_html,
-    memory_text,
-    topology_html,
-    topology_text,
-)
+from fsdp_interactive.notebook.render import render_memory, render_topology
 from fsdp_interactive.notebook.snapshot_panel import SnapshotPanel
 from fsdp_interactive.notebook.summon_panel import SummonPanel
 
@@ -98,17 +93,17 @@ class Dashboard(View):
         """The dashboard as plain text: ranks and topology, memory, then each tab's view."""
         sections = [
             "== ranks ==\n"
-            + "\n".join([*self._state_lines(), topology_text(self.source.topology())]),
-            "== memory ==\n" + memory_text(self.memory),
+            + "\n".join([*self._state_lines(), render_topology(self.source.topology()).text()]),
+            "== memory ==\n" + render_memory(self.memory).text(),
         ]
         sections += [f"== {name.lower()} ==\n{part.text()}" for name, part in self._parts()]
         return "\n\n".join(sections)
 
     def html(self, figures: bool = True) -> str:
         sections = [
-            "<h4>ranks</h4>" + self._state_html() + topology_html(self.source.topology()),
+            "<h4>ranks</h4>" + self._state_html() + render_topology(self.source.topology()).html(),
             "<h4>memory</h4>"
-            + memory_html(self.memory)
+            + render_memory(self.memory).html()
             + (figure_html(memory_figure(self.memory), "memory per rank") if figures else ""),
         ]
         sections += [
@@ -150,6 +145,8 @@ class Dashboard(View):
 
     def _update_widget(self) -> None:
         self._ranks.value = (
-            self._state_html() + topology_html(self.source.topology()) + memory_html(self.memory)
+            self._state_html()
+            + render_topology(self.source.topology()).html()
+            + render_memory(self.memory).html()
         )
         self._memory_image.value = figure_png(memory_figure(self.memory))

@@ -9,10 +9,18 @@ from typing import Any
 from fsdp_interactive.inspect import GradNorms
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._groups import NORM_GROUPS, check_pattern, check_sort, check_top
-from fsdp_interactive.notebook._view import View, png_image
+from fsdp_interactive.notebook._view import (
+    Controls,
+    View,
+    choice_buttons,
+    filter_box,
+    png_image,
+    refresh_button,
+    top_box,
+)
 from fsdp_interactive.notebook.plots import grad_norm_bars
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import global_norm_line, grad_norms_html, grad_norms_text
+from fsdp_interactive.notebook.render import global_norm_line, render_grad_norms
 
 _SORTS = ("norm", "model")
 
@@ -82,38 +90,23 @@ class GradNormView(View):
 
     def text(self) -> str:
         """The norms as shown now, as a plain-text table."""
-        return grad_norms_text(self.data, **self._choice())
+        return render_grad_norms(self.data, **self._choice()).text()
 
     def html(self, figures: bool = True) -> str:
         picture = figure_html(self.figure(), "gradient norms") if figures else ""
-        return grad_norms_html(self.data, **self._choice()) + picture
+        return render_grad_norms(self.data, **self._choice()).html() + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
 
-        self._refresh_button = w.Button(
-            description="Recompute", icon="refresh", disabled=self.source is None
-        )
-        self._refresh_button.on_click(self._clicked(self.refresh, "recomputing"))
+        self._refresh_button = refresh_button(self, "Recompute", "recomputing")
         self._toggle = w.ToggleButtons(options=list(NORM_GROUPS), value=self.by)
-        self._filter = w.Text(
-            value=self.pattern or "",
-            placeholder="filter: layers.1*  or  attn",
-            description="filter",
-            continuous_update=False,
-            layout=w.Layout(width="260px"),
+        self._filter = filter_box(self.pattern, "filter: layers.1*  or  attn")
+        self._top = top_box(self.top)
+        self._sort = choice_buttons([("largest", "norm"), ("model order", "model")], self.sort)
+        self._controls = Controls(
+            self, self.show, by=self._toggle, pattern=self._filter, top=self._top, sort=self._sort
         )
-        self._top = w.BoundedIntText(
-            value=self.top, min=1, max=10**6, description="top", layout=w.Layout(width="150px")
-        )
-        self._sort = w.ToggleButtons(
-            options=[("largest", "norm"), ("model order", "model")],
-            value=self.sort,
-            style={"button_width": "auto"},
-        )
-        apply = self._clicked(self._apply_controls, "filter")
-        for control in (self._toggle, self._filter, self._top, self._sort):
-            control.observe(lambda _change: apply(), names="value")
         self._total = w.HTML()
         self._table = w.HTML()
         self._image = png_image()
@@ -123,27 +116,10 @@ class GradNormView(View):
         )
         return w.VBox([controls, self._error_box(), self._total, self._image, self._table])
 
-    def _apply_controls(self) -> None:
-        if getattr(self, "_syncing", False):
-            return
-        self.show(
-            by=self._toggle.value,
-            pattern=self._filter.value,
-            top=self._top.value,
-            sort=self._sort.value,
-        )
-
     def _update_widget(self) -> None:
-        self._syncing = True
-        try:
-            self._toggle.value = self.by
-            self._filter.value = self.pattern or ""
-            self._top.value = self.top
-            self._sort.value = self.sort
-        finally:
-            self._syncing = False
+        self._controls.show(**{**self._choice(), "pattern": self.pattern or ""})
         # The global norm is stated here only: the table and the picture leave it out.
         line = html.escape(global_norm_line(self.data)) if self.data.params else ""
         self._total.value = f"<b>{line}</b>"
-        self._table.value = grad_norms_html(self.data, head=False, **self._choice())
+        self._table.value = render_grad_norms(self.data, head=False, **self._choice()).html()
         self._image.value = figure_png(self.figure())

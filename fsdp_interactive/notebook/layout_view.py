@@ -13,10 +13,18 @@ from fsdp_interactive.notebook._groups import (
     check_top,
     select_layout,
 )
-from fsdp_interactive.notebook._view import View, png_image
+from fsdp_interactive.notebook._view import (
+    Controls,
+    View,
+    choice_buttons,
+    filter_box,
+    png_image,
+    refresh_button,
+    top_box,
+)
 from fsdp_interactive.notebook.plots import layout_figure
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import layout_html, layout_text
+from fsdp_interactive.notebook.render import render_layout
 
 _ALL_UNITS = "(all units)"
 
@@ -118,43 +126,34 @@ class LayoutView(View):
 
     def text(self) -> str:
         """The unit and parameter tables as shown now, as plain text."""
-        return layout_text(self.data, self.selection)
+        return render_layout(self.data, self.selection).text()
 
     def html(self, figures: bool = True) -> str:
         picture = figure_html(self.figure(), "shard layout") if figures else ""
-        return layout_html(self.data, self.selection) + picture
+        return render_layout(self.data, self.selection).html() + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
 
         self._table = w.HTML()
         self._image = png_image()
-        self._refresh_button = w.Button(
-            description="Refresh", icon="refresh", disabled=self.source is None
-        )
-        self._refresh_button.on_click(self._clicked(self.refresh, "refresh"))
-        self._filter = w.Text(
-            value=self.pattern or "",
-            placeholder="filter: layers.1*  or  attn",
-            description="filter",
-            continuous_update=False,
-            layout=w.Layout(width="260px"),
-        )
+        self._refresh_button = refresh_button(self)
+        self._filter = filter_box(self.pattern, "filter: layers.1*  or  attn")
         self._unit_choice = w.Dropdown(
             description="unit", options=[_ALL_UNITS], layout=w.Layout(width="300px")
         )
-        self._top = w.BoundedIntText(
-            value=self.top, min=1, max=10**6, description="top", layout=w.Layout(width="150px")
-        )
-        self._sort = w.ToggleButtons(
-            options=[("model order", "model"), ("largest", "size")],
-            value=self.sort,
-            style={"button_width": "auto"},
-        )
+        self._top = top_box(self.top)
+        self._sort = choice_buttons([("model order", "model"), ("largest", "size")], self.sort)
         self._fold = w.Checkbox(value=self.fold, description="fold alike units", indent=False)
-        apply = self._clicked(self._apply_controls, "filter")
-        for control in (self._filter, self._unit_choice, self._top, self._sort, self._fold):
-            control.observe(lambda _change: apply(), names="value")
+        self._controls = Controls(
+            self,
+            self._apply_controls,
+            pattern=self._filter,
+            unit=self._unit_choice,
+            top=self._top,
+            sort=self._sort,
+            fold=self._fold,
+        )
         controls = w.HBox(
             [
                 self._refresh_button,
@@ -168,28 +167,18 @@ class LayoutView(View):
         )
         return w.VBox([controls, self._error_box(), self._image, self._table])
 
-    def _apply_controls(self) -> None:
-        if getattr(self, "_syncing", False):
-            return
-        unit = self._unit_choice.value
-        self.show(
-            pattern=self._filter.value,
-            unit=None if unit == _ALL_UNITS else unit,
-            top=self._top.value,
-            sort=self._sort.value,
-            fold=self._fold.value,
-        )
+    def _apply_controls(self, unit: str, **controls: Any) -> None:
+        self.show(unit=None if unit == _ALL_UNITS else unit, **controls)
 
     def _update_widget(self) -> None:
-        self._syncing = True
-        try:
+        with self._controls.syncing():
             self._unit_choice.options = [_ALL_UNITS, *self.unit_labels(self.pattern)]
-            self._unit_choice.value = self.unit if self.unit is not None else _ALL_UNITS
-            self._filter.value = self.pattern or ""
-            self._top.value = self.top
-            self._sort.value = self.sort
-            self._fold.value = self.fold
-        finally:
-            self._syncing = False
-        self._table.value = layout_html(self.data, self.selection)
+        self._controls.show(
+            unit=self.unit if self.unit is not None else _ALL_UNITS,
+            pattern=self.pattern or "",
+            top=self.top,
+            sort=self.sort,
+            fold=self.fold,
+        )
+        self._table.value = render_layout(self.data, self.selection).html()
         self._image.value = figure_png(self.figure())

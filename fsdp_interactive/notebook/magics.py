@@ -10,7 +10,6 @@ type instead.  The kernel never touches CUDA here: memory and devices are asked 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -29,9 +28,11 @@ from fsdp_interactive.notebook._magic_io import (
     rank_error_class,
     shown_as_message,
     shown_message,
+    stream_default,
 )
 from fsdp_interactive.notebook._magic_usage import line_magic_help, usage_line
 from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
+from fsdp_interactive.notebook._script_magics import ScriptMagics, mark_cell
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
@@ -49,6 +50,9 @@ _SUBCOMMANDS = (
     "snapshot",
     "journal",
     "recover",
+    "run",
+    "continue",
+    "export",
     "stacks",
     "attach",
     "pause",
@@ -93,7 +97,7 @@ def _rank_number(text: str) -> int:
 
 
 @magics_class
-class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
+class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     """The ``%fsdp`` family; one instance per IPython shell."""
 
     def __init__(self, shell: Any) -> None:
@@ -181,6 +185,11 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         default="off",
         help="auto: recover to the last snapshot by itself when a rank dies or a collective wedges",
     )
+    @argument(
+        "--insecure-network",
+        action="store_true",
+        help="start even where the pool's channels would cross the network unencrypted",
+    )
     @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
@@ -217,6 +226,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
                 check_collectives=args.check_collectives,
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
+                insecure_network=args.insecure_network,
                 **({} if hang_notice is None else {"hang_notice": hang_notice}),
             )
         except ValueError as error:
@@ -268,12 +278,12 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         if not self.pool.running:
             return
         from fsdp_interactive.notebook.rank_model import RankModel
-        from fsdp_interactive.notebook.render import memory_text, topology_text
+        from fsdp_interactive.notebook.render import render_memory, render_topology
 
-        print(topology_text(self.pool.topology))
+        print(render_topology(self.pool.topology).text())
         print()
         try:
-            print(memory_text(RankModel(self.pool).memory()))
+            print(render_memory(RankModel(self.pool).memory()).text())
         except pool_failures() as error:
             print(f"memory not asked: {shown_message(error)}")
 
@@ -492,6 +502,12 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         action="store_true",
         help="%%fsdp recover never runs this cell again",
     )
+    @argument(
+        "--export",
+        choices=("train",),
+        default=None,
+        help="train: %%fsdp export runs this cell as a training cell (after a restored state)",
+    )
     @_hang_notice_options("this cell", "(default: the pool's, 30)")
     @cell_magic("fsdp")
     def fsdp_cell(self, line: str, cell: str) -> None:
@@ -528,7 +544,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
                 "cell would wait for the other ranks forever]",
                 file=sys.stderr,
             )
-        stream = args.stream if args.stream is not None else _stream_default()
+        stream = args.stream if args.stream is not None else stream_default()
         sink = StreamSink(ranks, all_ranks=args.group_outputs is not None, live=stream)
         try:
             result = pool.run(
@@ -556,6 +572,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, Magics):
         show_outputs(outputs_of(sink, result, ranks), args.group_outputs, streamed=stream)
         if args.out:
             self.shell.user_ns[args.out] = result
+        if not is_attached(pool):  # a job has no journal: its journal options are ignored
+            mark_cell(pool, local=args.local, export=args.export)
         if args.local:
             self.shell.ex(self.shell.transform_cell(cell))
 
@@ -610,11 +628,6 @@ def _auto_transform(lines: list[str]) -> list[str]:
     if first.startswith("%") or first.lower().startswith("# local"):
         return lines
     return ["%%fsdp\n", *lines]
-
-
-def _stream_default() -> bool:
-    """Stream unless ``IPP_NONINTERACTIVE`` is set (as ``%%px`` does, for nbval runs)."""
-    return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")
 
 
 def load_ipython_extension(ipython: Any) -> None:

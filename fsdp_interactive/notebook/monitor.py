@@ -12,12 +12,14 @@ from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._view import View, png_image
 from fsdp_interactive.notebook.plots import grad_norm_history_figure
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import history_text
+from fsdp_interactive.notebook.render import render_history
 
 
 def _summary_html(records: list[GradNormRecord]) -> str:
-    """The first three lines of :func:`history_text` (counts, NaN/Inf steps, spikes)."""
-    return "<br/>".join(html.escape(line) for line in history_text(records).split("\n")[:3])
+    """The first three lines of :func:`render_history` (counts, NaN/Inf steps, spikes)."""
+    return "<br/>".join(
+        html.escape(line) for line in render_history(records).text().split("\n")[:3]
+    )
 
 
 class GradNormMonitor(View):
@@ -156,7 +158,7 @@ class GradNormMonitor(View):
     def text(self) -> str:
         """The recorded steps as plain text: each step's global norm, NaN/Inf steps and spikes
         named."""
-        return history_text(self.snapshot())
+        return render_history(self.snapshot()).text()
 
     def html(self, figures: bool = True) -> str:
         records = self.snapshot()

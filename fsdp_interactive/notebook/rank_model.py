@@ -16,19 +16,41 @@ input (a parameter name the model does not have) raises a short
 
 from __future__ import annotations
 
+import ast
+import math
 from typing import Any
 
+from fsdp_interactive._text import did_you_mean
 from fsdp_interactive.inspect import (
+    PROBES,
     GradNormRecord,
     GradNorms,
     MemoryStats,
     ModelLayout,
     TensorStats,
-    merge_layouts,
 )
 from fsdp_interactive.notebook._probe_input import ProbeInputError, input_error, norm_type_literal
 
 _SCRATCH = "_fsdp_interactive_probe"
+
+
+def _literal(value: Any, call: str) -> str:
+    """``value`` as Python source the ranks evaluate to an equal value (``float('inf')``
+    for a non-finite float); :class:`ProbeInputError` naming ``call`` for a value that has
+    no such source (an object of the kernel's)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    source = repr(value)
+    try:
+        same = ast.literal_eval(source) == value
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        same = False
+    if not same:
+        raise ProbeInputError(
+            f"{call}: {source} is not a plain value (a number, string, bool, None, or a "
+            "tuple, list or dict of them) that can be sent to the ranks"
+        )
+    return source
 
 
 def _check_expression(argument: str, value: str | None, optional: bool = False) -> None:
@@ -137,42 +159,67 @@ class RankModel:
     def _probe(self, expression: str, targets: list[int] | None = None, call: str = "") -> Any:
         return self.evaluate(expression, targets, call=call or None)
 
+    def ask(self, probe: str, *arguments: Any, **keywords: Any) -> Any:
+        """The answer of the probe named ``probe`` (a name of
+        :data:`fsdp_interactive.inspect.PROBES`), run on every rank with this model first
+        (for a probe of the model) and then ``arguments`` and ``keywords``, plain values
+        sent as Python literals; the ranks' answers combined as the probe declares (the
+        same record from every rank, one per rank, or merged). An unknown name, or an
+        argument that is no plain value, raises :class:`ProbeInputError`."""
+        shown = ", ".join([repr(probe), *map(repr, arguments)])
+        shown += "".join(f", {k}={v!r}" for k, v in keywords.items())
+        call = f"RankModel.ask({shown})"
+        if probe not in PROBES:
+            raise ProbeInputError(
+                f"{call}: no probe {probe!r}; "
+                + (did_you_mean(probe, PROBES) or f"the probes are {', '.join(PROBES)}")
+            )
+        sources = [_literal(a, call) for a in arguments]
+        sources += [f"{k}={_literal(v, call)}" for k, v in keywords.items()]
+        return self._ask(probe, ", ".join(sources), call)
+
+    def _ask(self, probe: str, arguments: str = "", call: str = "") -> Any:
+        """The probe ``probe`` run on every rank with ``arguments`` (Python source, after
+        the model for a probe of the model) and its answers combined as declared."""
+        declared = PROBES[probe]
+        given = [self.model] if declared.on_model else []
+        given += [arguments] if arguments else []
+        answers = self._probe(f"_fsdp_interactive_inspect.{probe}({', '.join(given)})", call=call)
+        return declared.combine(answers)
+
     def layout(self) -> ModelLayout:
         """The model's shard layout (:class:`~fsdp_interactive.inspect.ModelLayout`): units,
         parameters, which rank holds which slice, and the bytes each rank holds."""
         optimizer = self.optimizer or "None"
         # Every rank describes the same parameters: only rank 0 sends them (a model with
         # thousands of parameters would otherwise send and unpickle them once per rank).
-        return merge_layouts(
-            self._probe(
-                f"_fsdp_interactive_inspect.layout({self.model}, {optimizer}, params_from_rank=0)"
-            )
-        )
+        return self._ask("layout", f"{optimizer}, params_from_rank=0")
 
     def grad_norms(self, norm_type: float = 2.0) -> GradNorms:
         """Gradient norms of ``norm_type`` (2.0, 1.0, ``float('inf')``, ...) per parameter and
         module and in total, as the framework's own ``clip_grad_norm_`` computes them; before
         the first backward the record says "no gradients yet"."""
         literal = norm_type_literal(norm_type, f"RankModel.grad_norms({norm_type!r})")
-        return self._probe(f"_fsdp_interactive_inspect.grad_norms({self.model}, {literal})")[0]
+        return self._ask("grad_norms", literal)
 
     def summon(self, fqn: str, bins: int = 40) -> TensorStats:
         """Statistics of the full parameter ``fqn`` (clean or wrapped name) and a histogram of
         ``bins`` bins, computed where the shards are: no parameter is gathered."""
-        return self._probe(
-            f"_fsdp_interactive_inspect.summon_stats({self.model}, {fqn!r}, bins={int(bins)})",
-            call=f"RankModel.summon({fqn!r})",
-        )[0]
+        return self._ask(
+            "summon_stats", f"{fqn!r}, bins={int(bins)}", call=f"RankModel.summon({fqn!r})"
+        )
 
     def edit(self, fqn: str, expression: str, bins: int = 40) -> TensorStats:
         """Set the full parameter ``fqn`` to ``expression`` (Python evaluated on every rank, ``p``
         being the full parameter) and return its new statistics; only the units that own it are
-        gathered."""
-        return self._probe(
-            f"_fsdp_interactive_inspect.edit_param({self.model}, {fqn!r}, {expression!r}, "
-            f"bins={int(bins)})",
+        gathered. The journal notes the change (an export cannot do it again)."""
+        stats = self._ask(
+            "edit_param",
+            f"{fqn!r}, {expression!r}, bins={int(bins)}",
             call=f"RankModel.edit({fqn!r}, {expression!r})",
-        )[0]
+        )
+        self.pool.journal.note_outside(f"{self.model}: {fqn} edited to {expression}")
+        return stats
 
     def clean_name(self, name: str) -> str | None:
         """The clean FQN of the parameter or module called ``name`` (clean, or wrapped as the
@@ -185,7 +232,7 @@ class RankModel:
     def memory(self) -> list[MemoryStats]:
         """Every rank's memory (process, parameters, gradients, optimizer state, CUDA where there
         is one), in rank order."""
-        return sorted(self._probe("_fsdp_interactive_inspect.memory()"), key=lambda m: m.rank)
+        return self._ask("memory")
 
     def history(self, since: int = 0) -> list[GradNormRecord]:
         """The steps the recorder named at construction has recorded since step ``since``; without

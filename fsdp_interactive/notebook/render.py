@@ -4,6 +4,13 @@ These are what a view shows outside a live kernel (nbconvert, nbval's ``text/pla
 a terminal) and what the widgets show in their text panes, so the numbers a test reads
 from a view are the numbers a user sees.
 
+A record is rendered once, into a :class:`Rendering`: headings, notes and tables whose
+rows are computed once; ``.text()`` and ``.html()`` format those same rows. Each record
+type's renderer is registered with :func:`renders`, and :func:`render` finds it by the
+type of what a probe answered (one record, or a list of them): a new probe's record is
+shown by registering one function here. A record type without a renderer of its own is
+shown as a table of its fields.
+
 Computed floats (norms, statistics) are shown to four significant digits: float32 sums
 come out differently in about the seventh digit on different CPU kernel paths (AVX-512,
 AVX2, none) and GPUs, and the same notebook should show the same numbers on each.
@@ -11,9 +18,11 @@ AVX2, none) and GPUs, and the same notebook should show the same numbers on each
 
 from __future__ import annotations
 
+import dataclasses
 import html as html_lib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive._text import human_bytes, number, text_table
@@ -37,6 +46,120 @@ from fsdp_interactive.notebook._groups import (
     select_layout,
     select_norms,
 )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A line of a rendering as it reads in text and as it is marked up in HTML (either
+    may be empty: a text-only note, an HTML-only break)."""
+
+    as_text: str
+    as_html: str
+
+    def text(self) -> str:
+        return self.as_text
+
+    def html(self) -> str:
+        return self.as_html
+
+
+def bold(text: str, shown: str | None = None) -> Piece:
+    """``text``; in HTML ``shown`` (``text`` by default) in bold."""
+    return Piece(text, f"<b>{html_lib.escape(text if shown is None else shown)}</b>")
+
+
+def note(text: str) -> Piece:
+    """A remark in italics (nothing, in either format, when ``text`` is empty)."""
+    return Piece(text, f"<div><i>{html_lib.escape(text)}</i></div>" if text else "")
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows under headers; ``marks``: indices of rows shown highlighted in HTML.
+
+    ``caption`` is the line above the table in text; in HTML it is shown as
+    ``caption_style`` says: ``"bold"``, ``"italic"`` or ``None`` (not at all).
+    """
+
+    headers: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    marks: frozenset[int] = frozenset()
+    caption: str = ""
+    caption_style: str | None = "italic"
+
+    def text(self) -> str:
+        return (f"{self.caption}\n" if self.caption else "") + text_table(self.headers, self.rows)
+
+    def html(self) -> str:
+        tag = {"bold": "b", "italic": "i"}.get(self.caption_style or "")
+        caption = html_lib.escape(self.caption)
+        head = f"<div><{tag}>{caption}</{tag}></div>" if tag and self.caption else ""
+        return head + html_table(self.headers, self.rows, set(self.marks))
+
+
+Block = Piece | Table
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A record as shown: its blocks, formatted as text (the non-empty ones, one
+    ``separator`` apart) or as HTML (one after the other)."""
+
+    blocks: Sequence[Block]
+    separator: str = "\n"
+
+    def text(self) -> str:
+        return self.separator.join(t for block in self.blocks if (t := block.text()))
+
+    def html(self) -> str:
+        return "".join(block.html() for block in self.blocks)
+
+
+#: The renderer of each record type (:func:`renders`), used by :func:`render`.
+_RENDERERS: dict[type, Callable[..., Rendering]] = {}
+
+
+def renders(record_type: type) -> Callable[[Callable[..., Rendering]], Callable[..., Rendering]]:
+    """Register the decorated function as the renderer of ``record_type``: it takes what
+    a probe answers (a record, or a list of them for a probe every rank answers for
+    itself) and the view's options, and returns a :class:`Rendering`."""
+
+    def register(renderer: Callable[..., Rendering]) -> Callable[..., Rendering]:
+        _RENDERERS[record_type] = renderer
+        return renderer
+
+    return register
+
+
+def render(answer: Any, record_type: type | None = None, **options: Any) -> Rendering:
+    """``answer`` (one record, or a list of records) rendered by the renderer of its
+    record type (``record_type``: the type of an empty list's records); a type without
+    one is shown as a table of its fields."""
+    if record_type is None:
+        many = isinstance(answer, list | tuple)
+        record_type = type(answer[0]) if many and answer else None if many else type(answer)
+    renderer = _RENDERERS.get(record_type) if record_type is not None else None
+    if renderer is not None:
+        return renderer(answer, **options)
+    return _fields(answer, record_type)
+
+
+def _cell(value: Any) -> str:
+    return number(value) if isinstance(value, float) else str(value)
+
+
+def _fields(answer: Any, record_type: type | None) -> Rendering:
+    """A record as (field, value) rows; records as one row each, a column per field."""
+    name = f"{record_type.__name__} records" if record_type is not None else "records"
+    if not isinstance(answer, list | tuple):
+        rows = [(f.name, _cell(getattr(answer, f.name))) for f in dataclasses.fields(answer)]
+        return Rendering([bold(type(answer).__name__), Table(("field", "value"), rows)])
+    if not answer:
+        return Rendering([note(f"no {name}")])
+    headers = [f.name for f in dataclasses.fields(answer[0])]
+    rows = [tuple(_cell(getattr(record, h)) for h in headers) for record in answer]
+    return Rendering([bold(f"{len(answer)} {name}"), Table(headers, rows)])
+
 
 _PARAM_HEADERS = ("parameter", "shape", "dtype", "placements", "per-rank rows/shape", "padding")
 _UNIT_HEADERS = ("unit", "params", "size", "held per rank", "padding")
@@ -149,38 +272,27 @@ def _param_caption(selection: LayoutSelection) -> str:
     return f"parameters{where} ({order})"
 
 
-def layout_text(model_layout: ModelLayout, selection: LayoutSelection | None = None) -> str:
+@renders(ModelLayout)
+def render_layout(model_layout: ModelLayout, selection: LayoutSelection | None = None) -> Rendering:
     """The unit table, the parameter table and the bytes per rank (``selection``: what to
     show, :func:`select_layout`; by default every unit and the first 30 parameters)."""
     selection = selection or select_layout(model_layout)
-    parts = [
-        _layout_head(model_layout, selection),
-        "units\n" + text_table(_UNIT_HEADERS, _unit_rows(selection)),
-        _cut_note(len(selection.rows), selection.row_count, "unit rows"),
-        _param_caption(selection)
-        + "\n"
-        + text_table(_PARAM_HEADERS, _param_rows(selection.params)),
-        _cut_note(len(selection.params), selection.param_count, "parameters"),
-        text_table(*_rank_table(model_layout)),
-    ]
-    return "\n\n".join(p for p in parts if p)
-
-
-def layout_html(model_layout: ModelLayout, selection: LayoutSelection | None = None) -> str:
-    selection = selection or select_layout(model_layout)
-
-    def note(text: str) -> str:
-        return f"<div><i>{html_lib.escape(text)}</i></div>" if text else ""
-
-    return (
-        f"<b>{html_lib.escape(_layout_head(model_layout, selection))}</b>"
-        + html_table(_UNIT_HEADERS, _unit_rows(selection))
-        + note(_cut_note(len(selection.rows), selection.row_count, "unit rows"))
-        + f"<div><b>{html_lib.escape(_param_caption(selection))}</b></div>"
-        + html_table(_PARAM_HEADERS, _param_rows(selection.params))
-        + note(_cut_note(len(selection.params), selection.param_count, "parameters"))
-        + "<br/>"
-        + html_table(*_rank_table(model_layout))
+    return Rendering(
+        [
+            bold(_layout_head(model_layout, selection)),
+            Table(_UNIT_HEADERS, _unit_rows(selection), caption="units", caption_style=None),
+            note(_cut_note(len(selection.rows), selection.row_count, "unit rows")),
+            Table(
+                _PARAM_HEADERS,
+                _param_rows(selection.params),
+                caption=_param_caption(selection),
+                caption_style="bold",
+            ),
+            note(_cut_note(len(selection.params), selection.param_count, "parameters")),
+            Piece("", "<br/>"),
+            Table(*_rank_table(model_layout)),
+        ],
+        separator="\n\n",
     )
 
 
@@ -220,48 +332,33 @@ def _norm_caption(norms: GradNorms, by: str, shown: int, matched: int, sort: str
     return caption
 
 
-def grad_norms_text(
+@renders(GradNorms)
+def render_grad_norms(
     norms: GradNorms,
     by: str = "params",
     pattern: str | None = None,
     top: int = 30,
     sort: str = "norm",
     head: bool = True,
-) -> str:
+) -> Rendering:
     """The global norm (``head=False`` leaves it out, for a view that shows it elsewhere)
     and the norms ``by`` parameter, module or unit: :func:`select_norms` picks the rows."""
     if not norms.params:
-        return NO_GRADIENTS
-    items, matched = select_norms(norms, by, pattern, top, sort)
-    rows, _ = _norm_rows(norms, items)
-    table = _norm_caption(norms, by, len(items), matched, sort) + "\n"
-    table += text_table((_ROW_NAMES[by], "norm", "flags"), rows)
-    return (global_norm_line(norms) + "\n\n" if head else "") + table
-
-
-def grad_norms_html(
-    norms: GradNorms,
-    by: str = "params",
-    pattern: str | None = None,
-    top: int = 30,
-    sort: str = "norm",
-    head: bool = True,
-) -> str:
-    if not norms.params:
-        return f"<i>{NO_GRADIENTS}</i>"
+        return Rendering([Piece(NO_GRADIENTS, f"<i>{NO_GRADIENTS}</i>")])
     items, matched = select_norms(norms, by, pattern, top, sort)
     rows, marks = _norm_rows(norms, items)
-    out = ""
-    if head:
-        out = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total)}</b>"
-        if norms.has_nonfinite:
-            out += f' <span style="color:#c00">non-finite: {", ".join(norms.nonfinite)}</span>'
-    caption = html_lib.escape(_norm_caption(norms, by, len(items), matched, sort))
-    return (
-        out
-        + f"<div><i>{caption}</i></div>"
-        + html_table((_ROW_NAMES[by], "norm", "flags"), rows, marks)
+    table = Table(
+        (_ROW_NAMES[by], "norm", "flags"),
+        rows,
+        frozenset(marks),
+        caption=_norm_caption(norms, by, len(items), matched, sort),
     )
+    if not head:
+        return Rendering([table])
+    head_html = f"<b>global L{norms.norm_type:g} gradient norm: {number(norms.total)}</b>"
+    if norms.has_nonfinite:
+        head_html += f' <span style="color:#c00">non-finite: {", ".join(norms.nonfinite)}</span>'
+    return Rendering([Piece(global_norm_line(norms), head_html), table], separator="\n\n")
 
 
 def _stats_rows(stats: TensorStats) -> list[tuple[str, str]]:
@@ -279,16 +376,12 @@ def _stats_rows(stats: TensorStats) -> list[tuple[str, str]]:
     ]
 
 
-def stats_text(stats: TensorStats) -> str:
+@renders(TensorStats)
+def render_stats(stats: TensorStats) -> Rendering:
+    """The statistics of one parameter (or of a module's parameters together)."""
     title = stats.fqn or "(whole model)"
-    if len(stats.names) > 1:
-        title += f" ({len(stats.names)} parameters)"
-    return title + "\n" + text_table(("stat", "value"), _stats_rows(stats))
-
-
-def stats_html(stats: TensorStats) -> str:
-    title = stats.fqn or "(whole model)"
-    return f"<b>{title}</b>" + html_table(("stat", "value"), _stats_rows(stats))
+    counted = f"{title} ({len(stats.names)} parameters)" if len(stats.names) > 1 else title
+    return Rendering([bold(counted, shown=title), Table(("stat", "value"), _stats_rows(stats))])
 
 
 def _memory_rows(stats: Sequence[MemoryStats]) -> list[tuple[str, ...]]:
@@ -310,12 +403,10 @@ def _memory_rows(stats: Sequence[MemoryStats]) -> list[tuple[str, ...]]:
 _MEMORY_HEADERS = ("rank", "host", "pid", "device", "RSS", "allocated", "reserved", "peak")
 
 
-def memory_text(stats: Sequence[MemoryStats]) -> str:
-    return text_table(_MEMORY_HEADERS, _memory_rows(stats))
-
-
-def memory_html(stats: Sequence[MemoryStats]) -> str:
-    return html_table(_MEMORY_HEADERS, _memory_rows(stats))
+@renders(MemoryStats)
+def render_memory(stats: Sequence[MemoryStats]) -> Rendering:
+    """Every rank's memory, one row per rank."""
+    return Rendering([Table(_MEMORY_HEADERS, _memory_rows(stats))])
 
 
 def _topology_rows(topology: Sequence[Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -337,17 +428,10 @@ def _topology_hosts(topology: Sequence[Any]) -> str:
     )
 
 
-def topology_text(topology: Sequence[Any]) -> str:
+def render_topology(topology: Sequence[Any]) -> Rendering:
     """The rank table; ranks on several hosts are headed by which ranks each host holds."""
-    headers, rows = _topology_rows(topology)
     hosts = _topology_hosts(topology)
-    return (hosts + "\n" if hosts else "") + text_table(headers, rows)
-
-
-def topology_html(topology: Sequence[Any]) -> str:
-    headers, rows = _topology_rows(topology)
-    hosts = _topology_hosts(topology)
-    return (f"<b>{html_lib.escape(hosts)}</b>" if hosts else "") + html_table(headers, rows)
+    return Rendering([*([bold(hosts)] if hosts else []), Table(*_topology_rows(topology))])
 
 
 def steps_phrase(records: Sequence[GradNormRecord]) -> str:
@@ -358,10 +442,12 @@ def steps_phrase(records: Sequence[GradNormRecord]) -> str:
     return f"{count} (steps {records[0].step}..{records[-1].step})"
 
 
-def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
-    """Summary of a recorder's history: steps, last norms, NaN/Inf steps and spikes."""
+@renders(GradNormRecord)
+def render_history(records: Sequence[GradNormRecord], last: int = 10) -> Rendering:
+    """Summary of a recorder's history: steps, last norms, NaN/Inf steps and spikes, and
+    the ``last`` steps' norms."""
     if not records:
-        return "no gradient norms recorded yet"
+        return Rendering([note("no gradient norms recorded yet")])
     totals = [r.total for r in records]
     spikes = [records[i].step for i in find_spikes(totals)]
     bad = [r.step for r in records if r.nonfinite]
@@ -371,10 +457,8 @@ def history_text(records: Sequence[GradNormRecord], last: int = 10) -> str:
         f"spikes at steps: {spikes if spikes else 'none'}",
     ]
     tail = records[-last:]
-    lines.append(
-        text_table(
-            ("step", "global norm", "flags"),
-            [(r.step, number(r.total), "NaN/Inf" if r.nonfinite else "") for r in tail],
-        )
+    table = Table(
+        ("step", "global norm", "flags"),
+        [(r.step, number(r.total), "NaN/Inf" if r.nonfinite else "") for r in tail],
     )
-    return "\n".join(lines)
+    return Rendering([*(note(line) for line in lines), table])

@@ -12,10 +12,10 @@ from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import figure_html, figure_png
 from fsdp_interactive.notebook._groups import check_pattern, matches
 from fsdp_interactive.notebook._probe_input import UnknownNameError
-from fsdp_interactive.notebook._view import View, png_image
+from fsdp_interactive.notebook._view import View, filter_box, png_image
 from fsdp_interactive.notebook.plots import histogram_figure
 from fsdp_interactive.notebook.rank_model import RankModel
-from fsdp_interactive.notebook.render import stats_html, stats_text
+from fsdp_interactive.notebook.render import render_stats
 
 
 class SummonPanel(View):
@@ -148,23 +148,17 @@ class SummonPanel(View):
 
     def text(self) -> str:
         """The selected parameter's statistics as plain text, with the last action's message."""
-        return stats_text(self.data) + (f"\n{self.message}" if self.message else "")
+        return render_stats(self.data).text() + (f"\n{self.message}" if self.message else "")
 
     def html(self, figures: bool = True) -> str:
         picture = figure_html(self.figure(), f"histogram of {self.fqn}") if figures else ""
-        return stats_html(self.data) + picture
+        return render_stats(self.data).html() + picture
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
 
         options, _ = self.choices(self.pattern)
-        self._filter = w.Text(
-            value=self.pattern or "",
-            placeholder="filter: layers.1*  or  q_proj",
-            description="filter",
-            continuous_update=False,
-            layout=w.Layout(width="260px"),
-        )
+        self._filter = filter_box(self.pattern, "filter: layers.1*  or  q_proj")
         self._filter.observe(lambda change: self.filter(change["new"]), names="value")
         self._matches = w.HTML()
         self._choice = w.Dropdown(
@@ -231,7 +225,7 @@ class SummonPanel(View):
             if self.pattern
             else ""
         )
-        self._stats.value = stats_html(self.data)
+        self._stats.value = render_stats(self.data).html()
         self._image.value = figure_png(self.figure())
         editable = self.fqn in self.params
         self._apply_button.disabled = not editable

@@ -19,8 +19,10 @@ returns an :class:`AttachedJob`: the ranks of a running job started with
 from fsdp_interactive._lazy_exports import public_names
 from fsdp_interactive.pool._attach_errors import AttachError, JobError, JobNotPaused, JobRanksGone
 from fsdp_interactive.pool._attached_job import AttachedJob, HangReport, JobStatus, attach
+from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
 from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
@@ -46,6 +48,8 @@ __all__ = [
     "AttachedJob",
     "CollectiveTrace",
     "DebuggerOutput",
+    "ExportPlan",
+    "ExportRefused",
     "HangNotice",
     "HangReport",
     "InterruptReport",
@@ -69,6 +73,8 @@ __all__ = [
     "RecorderDump",
     "RecoveryError",
     "RunResult",
+    "ScriptRunError",
+    "ScriptStatus",
     "TaggedPrinter",
     "attach",
     "check_ssh_hosts",

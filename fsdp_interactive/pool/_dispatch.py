@@ -168,6 +168,9 @@ class PendingCall:
     returns. ``prompt(text)``: how a debugger prompt asks the user (default:
     :func:`ask_user`). ``hang_after``: seconds after which ranks that wait in a collective
     others never reach are shown in a live notice (``None``: no notice).
+    ``on_interrupt(ranks)``: what the first Ctrl-C does instead of interrupting (a script
+    run asks the ranks still running to pause at their next optimizer step, and the wait
+    goes on); a second Ctrl-C interrupts.
     """
 
     def __init__(
@@ -183,8 +186,11 @@ class PendingCall:
         finish: Callable[[list[Any]], Any] | None = None,
         prompt: Callable[[str], str] | None = None,
         hang_after: float | None = None,
+        on_interrupt: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.handles = handles
+        self._on_interrupt = on_interrupt
+        self._end: float | None = None
         self._sent = time.monotonic()
         self._hang_after = hang_after
         self._hang: HangWatch | None = None
@@ -213,36 +219,18 @@ class PendingCall:
         Returns ``finish(per-rank results)`` (the plain list without ``finish``). Raises
         RankTimeout, RankDied, RankInterrupted or RankError.
         """
-        end = None if timeout is None else time.monotonic() + timeout
+        self._end = None if timeout is None else time.monotonic() + timeout
         self._hang = self._new_hang_watch()
         try:
             while True:
-                pending = self.pending_ranks()
-                self._pump()
-                if not pending:
-                    break
-                if self._hang is not None:
-                    self._hang_notice(*self._hang.tick(pending))
-                prompted = self._serve_prompts()
-                if end is not None:
-                    end += prompted
-                if end is not None and time.monotonic() > end:
-                    self._watch.unfinished.remember(self.handles)
-                    raise self._watch.diagnosis.timeout_error(
-                        pending,
-                        f"{timeout:g}s",
-                        self._code,
-                        self.wait,
-                        cell=self._cell,
-                        native=self._native,
-                        targets=list(self.handles),
-                    )
-                self.handles[pending[0]].wait(_POLL_S)
-                if self.handles[pending[0]].ready():
-                    continue  # progress: liveness is checked only when a wait ran out
-                dead = self._watch.dead_ranks()
-                if dead:
-                    self._fail_dead(dead)
+                try:
+                    if not self._wait_a_little(timeout):
+                        break
+                except KeyboardInterrupt:
+                    if self._on_interrupt is None:
+                        raise
+                    first, self._on_interrupt = self._on_interrupt, None
+                    first(self.pending_ranks())
             for handle in self.handles.values():
                 # stream messages may trail the reply; wait for them briefly
                 handle.wait_for_output(_OUTPUT_GRACE_S)
@@ -261,6 +249,38 @@ class PendingCall:
         # every step would otherwise accumulate in the kernel).
         self._watch.purge(list(self.handles.values()))
         return value
+
+    def _wait_a_little(self, timeout: float | None) -> bool:
+        """One round of :meth:`wait`: pass on output, the hang notice and prompts, check the
+        deadline, wait briefly for the first pending rank, check liveness; False once no
+        rank is pending."""
+        pending = self.pending_ranks()
+        self._pump()
+        if not pending:
+            return False
+        if self._hang is not None:
+            self._hang_notice(*self._hang.tick(pending))
+        prompted = self._serve_prompts()
+        if self._end is not None:
+            self._end += prompted
+        if self._end is not None and time.monotonic() > self._end:
+            self._watch.unfinished.remember(self.handles)
+            raise self._watch.diagnosis.timeout_error(
+                pending,
+                f"{timeout:g}s",
+                self._code,
+                self.wait,
+                cell=self._cell,
+                native=self._native,
+                targets=list(self.handles),
+            )
+        self.handles[pending[0]].wait(_POLL_S)
+        if self.handles[pending[0]].ready():
+            return True  # progress: liveness is checked only when a wait ran out
+        dead = self._watch.dead_ranks()
+        if dead:
+            self._fail_dead(dead)
+        return True
 
     def _new_hang_watch(self) -> HangWatch | None:
         if self._hang_after is None:

@@ -48,6 +48,12 @@ class GeneratorStates:
         start, end = self._by_entry.get(entry_id, {}).get(rank, (None, None))
         return self._states.get(start or ""), self._states.get(end or "")
 
+    def digests(self, entry_id: int, rank: int) -> tuple[str | None, str | None]:
+        """The digests of ``(start, end)`` of ``rank`` in entry ``entry_id`` (an export
+        sets the generators only where a cell started from other states than the previous
+        one left)."""
+        return self._by_entry.get(entry_id, {}).get(rank, (None, None))
+
     def ranks_of(self, entry_id: int) -> set[int]:
         """The ranks whose generators are known for entry ``entry_id``."""
         return set(self._by_entry.get(entry_id, {}))

@@ -26,14 +26,17 @@ epoch, like ``restart()``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_interactive._text import text_table
 from fsdp_interactive.pool._cell_effects import CellEffects, effects_of
 from fsdp_interactive.pool._generator_states import GeneratorStates
+from fsdp_interactive.pool._script_record import ScriptRecord
 from fsdp_interactive.pool.errors import RankDied
 
 #: Outcomes of an entry; only ``ok`` entries are replayed.
@@ -80,6 +83,13 @@ class JournalEntry:
     #: What the journal shows for the call instead of ``source`` (the magic line that
     #: generated the code), ``None``: its source.
     shown: str | None = None
+    #: A script run or its continuation (``Pool.run_script``): what ran and where it
+    #: paused (:class:`~._script_record.ScriptRecord`); ``None`` for other calls.
+    script: ScriptRecord | None = None
+    #: What the notebook said of the call beyond its code (:meth:`Journal.mark`):
+    #: ``"local"`` (``%%fsdp --local``: it also ran in the kernel), ``"train"``
+    #: (``%%fsdp --export train``: an export's training cell).
+    marks: set[str] = field(default_factory=set)
 
     @property
     def replayable(self) -> bool:
@@ -103,6 +113,31 @@ class JournalEntry:
 
 
 @dataclass(frozen=True)
+class Push:
+    """Values the notebook pushed to the ranks (``Pool.push``, ``%fsdp push``), after journal
+    entry ``after`` (0: before any) of ``epoch``: ``values`` are copies taken when they
+    were pushed (the object itself where it cannot be copied); ``targets``: ``None`` for
+    every rank. Pushes are not calls: a recovery does not replay them; an export writes
+    them out (:mod:`._export`)."""
+
+    after: int
+    epoch: int
+    values: dict[str, Any]
+    targets: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OutsideChange:
+    """A change of the ranks' state made outside any journaled call (a panel's edit of a
+    parameter, a checkpoint loaded through a panel), after entry ``after`` of ``epoch``:
+    what no replay or export can do again."""
+
+    after: int
+    epoch: int
+    what: str
+
+
+@dataclass(frozen=True)
 class Epoch:
     """One process group's life: ``base`` is the entries a recovery replayed to begin it
     (empty after a start or restart); ``snapshot``: the snapshot it was recovered to."""
@@ -121,6 +156,10 @@ class Journal:
         self.epochs: list[Epoch] = [Epoch(0)]
         #: Every rank's random generators at the start and end of each entry.
         self.generators = GeneratorStates()
+        #: Values pushed to the ranks, in order (:meth:`note_push`).
+        self.pushes: list[Push] = []
+        #: Changes of the ranks' state made outside journaled calls (:meth:`note_outside`).
+        self.outside: list[OutsideChange] = []
 
     @property
     def epoch(self) -> Epoch:
@@ -188,6 +227,29 @@ class Journal:
         rank = notice.get("rank")
         if isinstance(rank, int) and entry.replay is not False:
             self.generators.note(entry.id, rank, notice)
+
+    def note_push(self, values: Mapping[str, Any], targets: Sequence[int] | None) -> Push:
+        """Record values just pushed to ``targets`` (``None``: every rank), copied now."""
+        copies = {}
+        for name, value in values.items():
+            try:
+                copies[name] = copy.deepcopy(value)
+            except Exception:  # an object that cannot be copied: kept as it is
+                copies[name] = value
+        last = self.entries[-1].id if self.entries else 0
+        push = Push(last, self.epoch.number, copies, None if targets is None else tuple(targets))
+        self.pushes.append(push)
+        return push
+
+    def note_outside(self, what: str) -> None:
+        """Record a change of the ranks' state made outside any journaled call."""
+        last = self.entries[-1].id if self.entries else 0
+        self.outside.append(OutsideChange(last, self.epoch.number, what))
+
+    @staticmethod
+    def mark(entry: JournalEntry, mark: str) -> None:
+        """Say something of ``entry`` beyond its code (see :attr:`JournalEntry.marks`)."""
+        entry.marks.add(mark)
 
     def replay_for(self, entry_id: int | None) -> list[JournalEntry]:
         """The entries a recovery chooses from to rebuild the objects a snapshot taken

@@ -29,11 +29,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_interactive.pool import _cell_imports, _stray_comms
+from fsdp_interactive import _owner_key
+from fsdp_interactive.pool import _cell_imports, _export, _script_calls, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
@@ -62,6 +65,7 @@ from fsdp_interactive.pool.errors import (
     START,
     PoolNotRunning,
 )
+from fsdp_interactive.pool.processes._channels import INSECURE_NOTE, check_connected_channels
 from fsdp_interactive.pool.processes._launched import BROKEN_STOP_TIMEOUT_S, LaunchedProcesses
 from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_calls
 
@@ -79,6 +83,17 @@ def _stop_live_pools() -> None:
 
 
 atexit.register(_stop_live_pools)
+
+
+def _checkpoint_key_env() -> dict[str, str]:
+    """This user's checkpoint key for every rank (``FSDPI_CHECKPOINT_KEY``), so that ranks
+    on hosts without this user's home seal and check disk checkpoints with it too; nothing
+    when it cannot be had here (a save then says why on the ranks)."""
+    try:
+        return {_owner_key.KEY_ENV: _owner_key.key_hex()}
+    except _owner_key.OwnerKeyError as error:
+        log.debug("no checkpoint key for the ranks: %s", error)
+        return {}
 
 
 class Pool(FaultCalls, DebuggingCalls):
@@ -136,6 +151,13 @@ class Pool(FaultCalls, DebuggingCalls):
         ranks, the collective, the line, and what to type. ``False`` turns it off; the
         attribute of the same name changes it later, ``run(hang_notice=...)`` for one
         call. The notice never ends a call (``timeout=`` does).
+    insecure_network:
+        Start even where the pool cannot keep its channels from other users (engines on
+        other hosts without CurveZMQ, a controller launcher a config chose, a connected
+        cluster on plain TCP), leaving every cell's source and output readable on the
+        network; the start says so. Default ``False``: such a pool refuses to start
+        (docs/security.md). A one-host pool listens only in its private socket folder,
+        a pool across hosts encrypts with CurveZMQ, whatever this says.
     """
 
     def __init__(
@@ -154,9 +176,13 @@ class Pool(FaultCalls, DebuggingCalls):
         check_collectives: bool = False,
         recover: str | None = None,
         hang_notice: float | bool = DEFAULT_HANG_NOTICE_S,
+        insecure_network: bool = False,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
+        if not isinstance(insecure_network, bool):
+            raise ValueError(f"insecure_network must be True or False, got {insecure_network!r}")
+        self.insecure_network = insecure_network
         check_options(
             engines=engines,
             timeout=timeout,
@@ -191,7 +217,9 @@ class Pool(FaultCalls, DebuggingCalls):
         # Authenticates every snapshot this pool writes (kept across restarts, for recover).
         self._snapshot_key = _snapshot_root.new_key()
         self._processes = LaunchedProcesses(
-            log_level=self._log_level, snapshot_root=self._snapshot_root
+            log_level=self._log_level,
+            snapshot_root=self._snapshot_root,
+            insecure_network=insecure_network,
         )
         self._client: Any = None
         self._live: LiveGroup | None = None
@@ -347,9 +375,16 @@ class Pool(FaultCalls, DebuggingCalls):
                 cluster_kwargs=self._cluster_kwargs,
                 timeout=self.timeout,
             )
+            channels = self._processes.channels
+            insecure = channels is not None and channels.insecure
         else:
             assert self._connect_kwargs is not None
             self._client = connect_client(self._connect_kwargs)
+            insecure = check_connected_channels(
+                self._client, insecure_network=self.insecure_network
+            )
+        if insecure:
+            print(f"fsdp-interactive: {INSECURE_NOTE}", file=sys.stderr, flush=True)
         _stray_comms.keep_iopub_alive(self._client)
         rendezvous = Rendezvous(
             self._client,
@@ -362,7 +397,9 @@ class Pool(FaultCalls, DebuggingCalls):
             engine_env={
                 _snapshot_root.ENV_VAR: self._snapshot_root,
                 _snapshot_root.KEY_ENV_VAR: self._snapshot_key,
+                **_checkpoint_key_env(),
             },
+            socket_folder=self._processes.socket_folder if self.owns_engines else None,
         )
         rendezvous.wait_for_engines(n or 1, deadline)
         return rendezvous
@@ -441,6 +478,7 @@ class Pool(FaultCalls, DebuggingCalls):
         replayed: int | None = None,
         journal_text: str | None = None,
         hang_notice: float | bool | None = None,
+        on_interrupt: Callable[[list[int]], None] | None = None,
     ) -> RunResult:
         """Execute ``code`` on the targeted ranks concurrently; return their output.
 
@@ -465,6 +503,8 @@ class Pool(FaultCalls, DebuggingCalls):
         set around it). A rank that died since the last call raises :class:`RankDied` here,
         and ``code`` does not run. ``hang_notice``: this run's threshold for the live hang
         notice (seconds, or ``False``: none); ``None`` keeps the pool's.
+        ``on_interrupt(ranks)``: what the first Ctrl-C while waiting does instead of
+        interrupting (see :class:`~._dispatch.PendingCall`).
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python source, got {type(code).__name__}")
@@ -502,6 +542,7 @@ class Pool(FaultCalls, DebuggingCalls):
             native=native,
             finish=lambda _: run_result(handles, time.monotonic() - started),
             hang_after=after,
+            on_interrupt=on_interrupt,
         )
         with self._faults.outcome(entry):
             result = pending.wait(timeout)
@@ -509,6 +550,114 @@ class Pool(FaultCalls, DebuggingCalls):
             # What a recovery will replay, its new engines then find imported already.
             self._processes.forkers.warm(_cell_imports.import_specs(code))
         return result
+
+    def run_script(
+        self,
+        path: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        *,
+        targets: Targets = None,
+        stop_at: int | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
+        stream: bool = True,
+        on_output: OutputSink | None = None,
+        cell: int | None = None,
+        journal_text: str | None = None,
+    ) -> _script_calls.ScriptStatus:
+        """Run the torchrun script ``path`` with ``args`` on the targeted ranks, unmodified,
+        and keep what it built; return where it stands (:class:`ScriptStatus`).
+
+        Each rank runs it as ``__main__`` with what torchrun gives a script (``RANK``,
+        ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_RUN_ID``,
+        ``OMP_NUM_THREADS`` ..., ``sys.argv``, its folder on ``sys.path``, ``cwd``: default
+        the kernel's working directory); its ``init_process_group`` adopts the pool's group,
+        its ``destroy_process_group`` leaves it alive (:mod:`.rank._torchrun_world`).
+        ``stop_at=N`` pauses every rank after its N-th optimizer step with the script's
+        frames alive: its module globals and its frames' locals are then names of the
+        ranks' namespace, for cells, views, snapshots and checkpoints, until
+        :meth:`continue_script`. When it returns, raises or is stopped, what it built stays
+        the same way. The first Ctrl-C pauses it after the next optimizer step; the second
+        interrupts it. A script that raises raises :class:`RankError` with its traceback
+        (``error.script_status`` says what it kept). Journaled like a cell
+        (:mod:`._script_record`; ``journal_text``: what the journal shows for it, as for
+        :meth:`run`); one run at a time.
+        """
+        return _script_calls.run_script(
+            self,
+            path,
+            args,
+            targets=targets,
+            stop_at=stop_at,
+            cwd=cwd,
+            timeout=timeout,
+            stream=stream,
+            on_output=on_output,
+            cell=cell,
+            shown=journal_text,
+        )
+
+    def continue_script(
+        self,
+        stop_at: int | None = None,
+        *,
+        stop: bool = False,
+        timeout: float | None = None,
+        stream: bool = True,
+        on_output: OutputSink | None = None,
+        cell: int | None = None,
+        journal_text: str | None = None,
+    ) -> _script_calls.ScriptStatus:
+        """Resume the paused script run, to pause again after its ``stop_at``-th optimizer
+        step (counted from the run's start; ``None``: run to the end or to an interrupt);
+        ``stop=True`` ends it at its pause instead (its ``finally`` blocks run)."""
+        return _script_calls.continue_script(
+            self,
+            stop_at,
+            stop=stop,
+            timeout=timeout,
+            stream=stream,
+            on_output=on_output,
+            cell=cell,
+            shown=journal_text,
+        )
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sbatch: bool = False,
+        nodes: int | None = None,
+        gpus_per_node: int | None = None,
+        from_snapshot: str | None = None,
+        from_checkpoint: str | os.PathLike[str] | None = None,
+        train: Sequence[int] = (),
+        dry_run: bool = False,
+    ) -> _export.ExportPlan:
+        """Write the calls that built the ranks' state as a standalone torchrun script at
+        ``path`` (with its values file beside it, and with ``sbatch`` an sbatch file) that,
+        run on this pool's world size, builds the same parameters and optimizer state bit
+        for bit; return the :class:`ExportPlan` (``dry_run``: only the plan).
+        ``from_snapshot`` / ``from_checkpoint``: the script loads that state instead of
+        training up to it, then runs the training cells (``train``: their cell numbers;
+        default: the calls after the snapshot). ``nodes``, ``gpus_per_node``: the job's
+        layout (default: the pool's). What cannot be carried is listed with its reason and
+        nothing is written (:class:`ExportRefused`). See :mod:`._export`."""
+        return _export.export(
+            self,
+            path,
+            sbatch=sbatch,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            from_snapshot=from_snapshot,
+            from_checkpoint=from_checkpoint,
+            train=train,
+            dry_run=dry_run,
+        )
+
+    def script_status(self) -> _script_calls.ScriptStatus | None:
+        """Where the current (or last) script run stands on the ranks; ``None``: none ran."""
+        return _script_calls.script_status(self)
 
     def call(
         self,
@@ -557,6 +706,7 @@ class Pool(FaultCalls, DebuggingCalls):
         handles = {r: view.push(dict(mapping), block=False) for r, view in views.items()}
         with self._faults.outcome(None):
             self._pending(handles).wait()
+        self.journal.note_push(mapping, None if targets in (None, "all") else list(views))
 
     def pull(self, name: str, targets: Targets = None) -> list[Any]:
         """The value of ``name`` in each targeted rank's namespace, in rank order, with every

@@ -55,6 +55,7 @@ from fsdp_interactive.pool._recovery_checks import (
     check_snapshot,
     check_world,
 )
+from fsdp_interactive.pool._script_record import replay_refusal
 from fsdp_interactive.pool._slice import ReplaySlice, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError
@@ -180,6 +181,7 @@ def make_plan(
         folder = os.path.abspath(os.fspath(from_))
         check_folder(pool, folder)
         sliced = slice_for(journal.replay_for(None), None)
+        _check_script_replays(sliced, None, world, dropped, f"checkpoint {folder}")
         return RecoveryPlan(None, folder, sliced.replay, world, dropped, True, sliced)
     if from_ is not None:
         snapshot = book.get(str(from_))
@@ -196,7 +198,23 @@ def make_plan(
             )
     check_snapshot(pool, snapshot, pinned=from_ is not None)
     sliced = slice_for(journal.replay_for(snapshot.call), snapshot.names)
+    taken_in = journal.entry(snapshot.call) if snapshot.call is not None else None
+    _check_script_replays(sliced, taken_in, world, dropped, snapshot.describe())
     return RecoveryPlan(snapshot, None, sliced.replay, world, dropped, from_ is not None, sliced)
+
+
+def _check_script_replays(
+    sliced: ReplaySlice,
+    taken_in: JournalEntry | None,
+    world: int | None,
+    dropped: Sequence[str],
+    target: str,
+) -> None:
+    """:class:`RecoveryError` (nothing touched) when a script run the replay needs cannot be
+    run again to its pause (:func:`._script_record.replay_refusal`)."""
+    why = replay_refusal(sliced.replay, taken_in, world, dropped)
+    if why is not None:
+        raise RecoveryError(f"cannot recover to the {target}: {why}; nothing was changed")
 
 
 def execute(pool: Pool, plan: RecoveryPlan, say: Callable[[str], None]) -> RecoveryReport:

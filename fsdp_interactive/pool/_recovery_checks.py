@@ -34,6 +34,7 @@ import json
 import os
 from typing import Any
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RecoveryError, Step
 from fsdp_interactive.pool.rank._snapshot_calls import check_folder_source
@@ -111,9 +112,8 @@ def check_folder(pool: Pool, folder: str) -> None:
 
 def _record_damage(path: str) -> str:
     """What is wrong with the snapshot record file ``path`` ("": nothing seen here)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            data = json.load(file)
+    try:  # no link followed, no wait on a FIFO, a bounded size: it may have been planted
+        data = json.loads(_private_files.read_regular(path))
     except (OSError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     if not isinstance(data, dict):

@@ -19,7 +19,8 @@ cluster the pool connected to), each a call on the engines into
 5. every rank's namespace gets ``torch``, ``dist``, ``rank``, ``world_size``,
    ``local_rank`` and ``device``.
 
-A single-host group keeps gloo's, NCCL's and the agents' listeners on loopback, and its
+A single-host group keeps gloo's and NCCL's listeners on loopback, its agents' in the
+pool's private socket folder (when it has one: a pool that started its engines), and its
 store in a file. With ranks on several hosts, ``MASTER_ADDR`` is rank 0's address, the store
 listens on that address only, each agent on its rank's address, and each rank binds
 gloo (and NCCL) to the interface that holds its address (see
@@ -49,7 +50,7 @@ import ipyparallel as ipp
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
-from fsdp_interactive.pool.common import _hosts, _snapshot_root
+from fsdp_interactive.pool.common import _agent_wire, _hosts, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
 from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
 from fsdp_interactive.pool.errors import PoolStartError, describe_exit
@@ -99,7 +100,7 @@ class Group:
     records: list[RankRecord] = field(default_factory=list)
     views: dict[int, Any] = field(default_factory=dict)
     thread_ids: dict[int, int] = field(default_factory=dict)
-    agents: dict[int, tuple[str, int]] = field(default_factory=dict)
+    agents: dict[int, _agent_wire.Address] = field(default_factory=dict)
     recorder_notes: dict[int, str | None] = field(default_factory=dict)
     nonce: bytes = b""
     #: Each rank's parent process (on its host), as the rank reported it.
@@ -119,7 +120,8 @@ class Rendezvous:
     ``check_collectives``: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks;
     ``engine_env``: variables set in every rank's environment as it joins (the pool's
     snapshot root). Ranks of launched engines exit when this kernel is gone (see
-    :mod:`pool.rank._agent`).
+    :mod:`pool.rank._agent`). ``socket_folder``: the pool's private socket folder on
+    this host, where the agents of a single-host group listen (``None``: on loopback).
     """
 
     def __init__(
@@ -133,8 +135,10 @@ class Rendezvous:
         flight_recorder: int | None = None,
         check_collectives: bool = False,
         engine_env: Mapping[str, str] | None = None,
+        socket_folder: str | None = None,
     ) -> None:
         self._client = client
+        self._socket_folder = socket_folder
         self._engine_env = dict(engine_env or {})
         self._launched = launched
         self._owned = launched is not None
@@ -241,9 +245,10 @@ class Rendezvous:
                 "socket_address": None if single_host else slot.address,
                 "flight_recorder": self._flight_recorder,
                 "check_collectives": self._check_collectives,
-                "title": f"fsdp-interactive rank {slot.rank}/{n}, pool {nonce.hex()[:8]}",
+                # Whose pool it is, and nothing secret: every user reads a process's title.
+                "title": f"fsdp-interactive rank {slot.rank}/{n}, kernel pid {os.getpid()}",
                 "agent": {
-                    "host": "127.0.0.1" if single_host else slot.address,
+                    "host": self._agent_host(single_host, slot.address),
                     "nonce": nonce.hex(),
                     "end_with_owner": self._owned,
                 },
@@ -271,11 +276,18 @@ class Rendezvous:
             for slot in slots
         ]
         group.thread_ids = {r: joined[r]["thread_id"] for r in joined}
-        group.agents = {r: (joined[r]["agent"][0], int(joined[r]["agent"][1])) for r in joined}
+        group.agents = {r: joined[r]["agent"] for r in joined}
         group.recorder_notes = {r: joined[r]["recorder_note"] for r in joined}
         for r in sorted(joined):
             log.debug("rank %d collective sockets: %s", r, joined[r].get("socket_ifnames") or {})
         return group
+
+    def _agent_host(self, single_host: bool, address: str) -> str:
+        """Where a rank's agent listens: the socket folder of a single-host group (else
+        loopback), the rank's address across hosts."""
+        if not single_host:
+            return address
+        return self._socket_folder or "127.0.0.1"
 
     def set_up_namespaces(self, group: Group) -> None:
         """Pre-fill every rank's namespace (see :data:`NAMESPACE_SETUP`)."""

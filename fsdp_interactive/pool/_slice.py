@@ -43,6 +43,7 @@ from typing import Any
 
 from fsdp_interactive.pool._cell_effects import PREFILLED_MODULES
 from fsdp_interactive.pool._journal import JournalEntry
+from fsdp_interactive.pool._script_record import script_groups
 
 #: The kinds of object a snapshot restores, as its record names them.
 _KINDS = {"model": "the model", "optimizer": "the optimizer"}
@@ -131,7 +132,41 @@ def slice_for(candidates: Sequence[JournalEntry], names: Mapping[str, Any] | Non
     parts: list[Part] = []
     for entry in reversed(candidates):
         parts.append(_part(entry, need, modules, set(roots)))
-    return ReplaySlice(tuple(reversed(parts)))
+    return ReplaySlice(tuple(_whole_script_runs(parts[::-1])))
+
+
+def _kills(entry: JournalEntry) -> set[str]:
+    """The names ``entry`` binds on every path: its code's, and for a script run the names
+    the ranks saw it bind (a run binds all it keeps, whatever they are)."""
+    if entry.script is not None:
+        return set(entry.effects.kills) | set(entry.rebound)
+    return set(entry.effects.kills)
+
+
+def _whole_script_runs(parts: Sequence[Part]) -> list[Part]:
+    """A script run's entries (its start and each continue, ``Pool.run_script``) are
+    replayed together or not at all: its pause before the snapshot is reached only by
+    running the script from its start through every continue before the snapshot. Their
+    parameter initialization is never skipped: the script trains on the parameters
+    before it pauses."""
+    groups = script_groups([part.entry for part in parts])
+    replayed = {
+        run
+        for run, entries in groups.items()
+        if any(p.replay for p in parts if any(p.entry is e for e in entries))
+    }
+    whole = []
+    for part in parts:
+        record = part.entry.script
+        if record is None or record.run not in replayed:
+            whole.append(part)
+            continue
+        where = f"after step {record.steps}" if record.state == "paused" else "its end"
+        verb = "runs" if record.kind == "run" else "continues"
+        what = f"{verb} {record.label} to {'its pause ' if record.state == 'paused' else ''}{where}"
+        why = f"{what}, which {part.why}" if part.replay else f"{what} (the run is replayed whole)"
+        whole.append(Part(part.entry, True, why, skip_init=False))
+    return whole
 
 
 def _every_candidate(candidates: Sequence[JournalEntry]) -> ReplaySlice:
@@ -180,7 +215,7 @@ def _part(entry: JournalEntry, need: dict[str, _Need], modules: set[str], roots:
         reasons.append(f"changes the process ({_names(settings[:3])})")
     if reasons:
         model_chain = any(need[n].model for n in [*defined, *changed])
-        for name in fx.kills & set(defined):
+        for name in _kills(entry) & set(defined):
             if name not in changed:
                 del need[name]
         for name in sorted(fx.reads):

@@ -124,3 +124,20 @@ def snapshot(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     return obj
+
+
+def reseal(folder: Any) -> None:
+    """Seal the checkpoint ``folder`` again with this user's key after a test changed its
+    manifest on purpose, as the checkpoint's own user could: what a load checks below
+    the seal is then what refuses it (another user's change fails the seal first)."""
+    from pathlib import Path
+
+    from fsdp_interactive.checkpoint import _owner_seal
+
+    folder = Path(folder)
+    extra = folder / "extra.json"
+    _owner_seal.write_seal(
+        folder,
+        (folder / "manifest.json").read_text(),
+        extra.read_text() if extra.exists() else None,
+    )

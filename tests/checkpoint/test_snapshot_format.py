@@ -88,9 +88,9 @@ def _restored_in_place(root: str, snapshot_id: str) -> dict:
         applied.append(sorted(state))
         return original(model, state, **kwargs)
 
-    def counting_read(folder):
+    def counting_read(folder, **kwargs):
         metadata_reads.append(str(folder))
-        return original_read(folder)
+        return original_read(folder, **kwargs)
 
     _fqn_state.apply_model_state = counting
     # Both names the loader reaches it by: its own import and the reader's module.

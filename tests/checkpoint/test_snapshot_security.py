@@ -17,10 +17,10 @@ would be), and refused; and what this pool refuses to restore because it did not
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ from fsdp_interactive import checkpoint as ck
 from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive.checkpoint._snapshot import _place, _plan, _seal
 from tests.checkpoint import _snapshots as s
+from tests.checkpoint._common import reseal
+from tests.hostile_files import in_time, peak_rss_bytes, put_in_place
 from tests.second_user import as_other_user, shared_path
 
 HOSTS = ["host-a", "host-b"]
@@ -53,26 +55,6 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _in_time(fn: Callable[[], Any], seconds: float = 60) -> Any:
-    """``fn()`` on a thread; fails the test when it has not returned in ``seconds`` (a read
-    of ``/dev/zero`` would never return)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s: it hangs"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
-
 def _make_open_folder(path: str) -> None:
     os.mkdir(path)
     os.chmod(path, 0o777)
@@ -86,23 +68,31 @@ def _try(action: Callable[[], Any]) -> str:
     return "done"
 
 
-def test_a_default_root_another_user_made_first_is_refused(monkeypatch):
+def test_a_default_root_another_user_made_first_is_answered_with_a_private_one(monkeypatch, caplog):
     assert _place.default_root() == Path(f"/dev/shm/fsdpi-snapshots-{os.getuid()}")
     with shared_path("fsdpi-snapshots-") as root:
         as_other_user(_make_open_folder, str(root))  # first, with rights of their choosing
         monkeypatch.delenv(s.ROOT_ENV, raising=False)
         monkeypatch.setattr(_place, "default_root", lambda: root)
-        with pytest.raises(ck.SnapshotError) as refused:
-            ck.snapshot(model=_model(), step=1)
-        message = str(refused.value)
-        assert f"refusing the snapshot folder {root}" in message
-        assert "owned by uid 65534 (nobody)" in message and "nothing was written" in message
-        assert "FSDPI_SNAPSHOT_ROOT" in message
-        with pytest.raises(ck.SnapshotError, match="owned by uid 65534"):
-            ck.list_snapshots()
-        with pytest.raises(ck.SnapshotError, match="owned by uid 65534"):
-            ck.restore_snapshot(None, {"model": _model()})
-        assert os.listdir(root) == []  # nothing of ours went there
+        fallback = _place.fallback_root(root)
+        try:
+            with caplog.at_level(logging.WARNING, logger=_place.__name__):
+                model = _model()
+                record = ck.snapshot(model=model, step=1)
+            said = caplog.text
+            assert f"the default snapshot folder {root} is owned by uid 65534 (nobody)" in said
+            assert f"snapshots go to the private folder {fallback} instead" in said
+            # the fresh root: this user's private folder, its name unknown to others
+            assert fallback.name.startswith(root.name + "-") and fallback != root
+            assert stat.S_IMODE(fallback.lstat().st_mode) == 0o700
+            assert (fallback / record.id).is_dir()
+            assert [r.id for r in ck.list_snapshots()] == [record.id]
+            restored = _model(seed=3)
+            ck.restore_snapshot(None, {}, objects={"model": restored})
+            assert _same(_weights(restored), _weights(model))
+            assert os.listdir(root) == []  # nothing of ours went to the squatted folder
+        finally:
+            shutil.rmtree(fallback, ignore_errors=True)
 
 
 def test_snapshot_folders_and_files_are_private_to_their_user(monkeypatch):
@@ -212,14 +202,15 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
         seal = _seal.seal(bytes.fromhex(s.TEST_KEY), record.id, *texts.values())
         (folder / "seal.json").write_text(seal)
         with pytest.raises(ck.CorruptCheckpointError) as refused:
-            _in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
+            in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
         assert "'../../../../dev/zero' are not plain file names" in str(refused.value)
-    # The same for a disk checkpoint, whatever reads it.
+    # The same for a disk checkpoint, whatever reads it (sealed again with the user's key).
     model = _model()
     ck.save(tmp_path / "ckpt", model, step=1)
     _add_traversal(tmp_path / "ckpt")
+    reseal(tmp_path / "ckpt")
     with pytest.raises(ck.CorruptCheckpointError, match="are not plain file names"):
-        _in_time(lambda: ck.load(tmp_path / "ckpt", model))
+        in_time(lambda: ck.load(tmp_path / "ckpt", model))
     assert ck.list_checkpoints(tmp_path) == []
     # A data file swapped for a link to /dev/zero is refused as well, not read.
     ck.save(tmp_path / "other", model, step=1)
@@ -227,7 +218,7 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
     data.unlink()
     data.symlink_to("/dev/zero")
     with pytest.raises(ck.CorruptCheckpointError, match="not a regular file"):
-        _in_time(lambda: ck.load(tmp_path / "other", model))
+        in_time(lambda: ck.load(tmp_path / "other", model))
 
 
 def _forge(folder: Path, name: str) -> None:
@@ -281,3 +272,21 @@ def test_a_snapshot_with_no_authentic_copy_is_refused_naming_the_file(ranks2, tm
     assert kind == "CorruptCheckpointError" and "not written by this pool" in message
     assert file.endswith("manifest.json")
     assert all(r["untouched"] == [] for r in results)
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("name", ["manifest.json", "snapshot.json", "seal.json", ".metadata"])
+def test_a_fifo_or_dev_zero_in_place_of_a_snapshot_file_is_refused_without_reading(
+    monkeypatch, name, how
+):
+    with shared_path() as root:
+        monkeypatch.setenv(s.ROOT_ENV, str(root))
+        monkeypatch.setenv(s.KEY_ENV, s.TEST_KEY)
+        record = ck.snapshot(model=_model(), step=1)
+        put_in_place(root / record.id / name, how)
+        peak = peak_rss_bytes()
+        assert in_time(ck.list_snapshots) == []  # not listed, and listing does not hang
+        # refused: a description that cannot be read leaves the snapshot on no host
+        with pytest.raises(ck.CheckpointError, match=record.id):
+            in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))
+        assert peak_rss_bytes() - peak < 64 << 20  # nothing was read into memory

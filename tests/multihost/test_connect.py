@@ -69,7 +69,12 @@ def test_connect_forms_a_group_across_hosts_and_leaves_the_engines(testhosts, ha
     address = testhosts.host("hosta").address
     assert json.loads(client_file.read_text())["interface"] == f"tcp://{address}"
     pool = Pool.connect(
-        profile_dir=str(profile), n=2, devices="cpu", timeout=120, show_topology=False
+        profile_dir=str(profile),
+        n=2,
+        devices="cpu",
+        timeout=120,
+        show_topology=False,
+        insecure_network=True,  # started by hand without CurveZMQ
     )
     try:
         pool.start()
@@ -93,7 +98,14 @@ def test_connect_forms_a_group_across_hosts_and_leaves_the_engines(testhosts, ha
 def test_connect_by_client_connection_file(hand_started_cluster):
     profile, _ = hand_started_cluster
     client_file = profile / "security" / "ipcontroller-client.json"
-    pool = Pool.connect(str(client_file), n=2, devices="cpu", timeout=60, show_topology=False)
+    pool = Pool.connect(
+        str(client_file),
+        n=2,
+        devices="cpu",
+        timeout=60,
+        show_topology=False,
+        insecure_network=True,  # started by hand without CurveZMQ
+    )
     try:
         pool.start()
         assert [r.host for r in pool.topology] == ["hosta", "hostb"]

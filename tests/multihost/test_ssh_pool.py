@@ -7,14 +7,18 @@ per host are covered by the SLURM and MPI pools.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool
+from tests.multihost.capture import captured
 from tests.multihost.conftest import left_on_hosts
 from tests.multihost.launchers import running_ssh_pool
 from tests.multihost.testhosts import HostSet
@@ -98,6 +102,30 @@ def test_a_hang_shows_every_remote_ranks_stack_over_the_network(ssh_pool):
     assert "late_barrier" in error.stacks[1] and "time.sleep(10)" in error.stacks[1]
     assert "(stack written on" not in error.stacks[0] + error.stacks[1]
     error.wait(60)  # rank 1 reaches the barrier: the group stays usable
+
+
+def test_the_network_carries_no_cell_source_output_or_stack(ssh_pool, testhosts):
+    """CurveZMQ on every channel of ipyparallel, TLS on the diagnostics agent's: what the
+    network carries between the kernel and the hosts names no cell's source, output or
+    stack (captured on this machine's link to the hosts)."""
+    from fsdp_interactive.pool import RankTimeout
+
+    client_file = ssh_pool._processes.cluster.controller.connection_files["client"]
+    assert json.loads(Path(client_file).read_text())["curve_serverkey"]
+    source, output, stack = (f"{what}-{os.urandom(6).hex()}" for what in ("src", "out", "stk"))
+    with captured(testhosts.head_link) as wire:
+        out = ssh_pool.run(f"{source!r}\nprint({output[:4]!r} + {output[4:]!r})", stream=False)
+        assert [out.stdout[r].strip() for r in (0, 1)] == [output, output]
+        # a hang: every rank's stack comes back over the agents' (encrypted) links
+        with pytest.raises(RankTimeout) as caught:
+            ssh_pool.run(
+                f"import time\ntime.sleep(6 + 0 * len({stack!r}))", timeout=2, stream=False
+            )
+        assert all(stack in caught.value.stacks[r] for r in (0, 1)), caught.value.stacks
+        caught.value.wait(60)
+    assert len(wire) > 10_000  # the capture saw the traffic
+    for secret in (source, output, stack):
+        assert secret.encode() not in wire, f"{secret} crossed the network in clear"
 
 
 def listening(hosts: HostSet, host: str, pid: int) -> set[tuple[str, int]]:

@@ -11,10 +11,8 @@ from matplotlib.lines import Line2D
 from fsdp_interactive.inspect import ModelLayout, ParamLayout, RankTotals, ShardSlice
 from fsdp_interactive.notebook.plots import layout_figure
 from fsdp_interactive.notebook.render import (
-    layout_html,
-    layout_text,
-    topology_html,
-    topology_text,
+    render_layout,
+    render_topology,
 )
 from fsdp_interactive.pool.common._topology import RankRecord
 
@@ -59,7 +57,7 @@ def _rank_table(text: str) -> list[list[str]]:
 
 
 def test_the_text_names_each_hosts_ranks_once():
-    text = layout_text(_layout(TWO_HOSTS))
+    text = render_layout(_layout(TWO_HOSTS)).text()
     assert "over 8 ranks on 2 hosts: hosta r0-3, hostb r4-7" in text
     table = _rank_table(text)
     assert table[0][:2] == ["host", "rank"]
@@ -70,7 +68,7 @@ def test_the_text_names_each_hosts_ranks_once():
 
 
 def test_the_html_names_each_hosts_ranks_once():
-    html = layout_html(_layout(TWO_HOSTS))
+    html = render_layout(_layout(TWO_HOSTS)).html()
     assert "on 2 hosts: hosta r0-3, hostb r4-7" in html
     assert ">host</th>" in html
     assert html.count(">hosta</td>") == 1 and html.count(">hostb</td>") == 1
@@ -78,10 +76,10 @@ def test_the_html_names_each_hosts_ranks_once():
 
 @pytest.mark.parametrize("hosts", [["hosta"] * 8, [""] * 8])
 def test_one_host_or_unknown_hosts_show_no_host_labels(hosts):
-    text = layout_text(_layout(hosts))
+    text = render_layout(_layout(hosts)).text()
     assert "hosts" not in text and "over 8 ranks\n" in text + "\n"
     assert _rank_table(text)[0][0] == "rank"
-    assert ">host</th>" not in layout_html(_layout(hosts))
+    assert ">host</th>" not in render_layout(_layout(hosts)).html()
     memory = layout_figure(_layout(hosts)).axes[1]
     assert not [line for line in memory.lines if isinstance(line, Line2D)]
     assert not [t.get_text() for t in memory.texts]
@@ -116,8 +114,8 @@ def _records(hosts: list[str]) -> list[RankRecord]:
 
 def test_status_heads_the_rank_table_with_each_hosts_ranks():
     records = _records(["hosta", "hosta", "hostb"])
-    text = topology_text(records)
+    text = render_topology(records).text()
     assert text.splitlines()[0] == "2 hosts: hosta r0-1, hostb r2"
-    assert "<b>2 hosts: hosta r0-1, hostb r2</b>" in topology_html(records)
-    single = topology_text(_records(["hosta", "hosta"]))
+    assert "<b>2 hosts: hosta r0-1, hostb r2</b>" in render_topology(records).html()
+    single = render_topology(_records(["hosta", "hosta"])).text()
     assert single.splitlines()[0].startswith("rank") and "hosts:" not in single

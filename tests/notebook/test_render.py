@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -11,7 +12,7 @@ from fsdp_interactive.inspect import GradNormRecord, GradNorms, TensorStats, fin
 from fsdp_interactive.notebook._format import figure_png
 from fsdp_interactive.notebook.grad_norm_view import GradNormView
 from fsdp_interactive.notebook.plots import grad_norm_history_figure, histogram_figure
-from fsdp_interactive.notebook.render import grad_norms_html, grad_norms_text, history_text
+from fsdp_interactive.notebook.render import render, render_grad_norms, render_history
 
 
 def test_find_spikes_marks_jumps_over_the_recent_median():
@@ -30,22 +31,37 @@ def test_nonfinite_gradients_are_flagged_in_text_and_html():
         {"": math.nan, "a": math.nan},
         nan_counts={"a.weight": 3},
     )
-    text = grad_norms_text(norms)
+    text = render_grad_norms(norms).text()
     assert "NON-FINITE gradients in: a.weight" in text and "NaN x3" in text
-    assert 'style="background:#fdd"' in grad_norms_html(norms)
+    assert 'style="background:#fdd"' in render_grad_norms(norms).html()
     assert figure_png(GradNormView(norms).figure())[:4] == b"\x89PNG"
 
 
 def test_empty_states_say_what_to_do():
-    assert "run a backward pass" in grad_norms_text(GradNorms(2.0, 0.0, {}, {}))
-    assert history_text([]) == "no gradient norms recorded yet"
+    assert "run a backward pass" in render_grad_norms(GradNorms(2.0, 0.0, {}, {})).text()
+    assert render_history([]).text() == "no gradient norms recorded yet"
     assert figure_png(grad_norm_history_figure([]))[:4] == b"\x89PNG"
+
+
+def test_a_record_type_without_a_renderer_shows_its_fields():
+    @dataclass(frozen=True)
+    class Counted:
+        rank: int
+        mean: float
+
+    one = render(Counted(0, 0.123456789))
+    assert one.text().splitlines()[0] == "Counted"
+    assert "mean   0.1235" in one.text() and "<td" in one.html()
+    ranks = render([Counted(0, 1.0), Counted(1, math.inf)])
+    assert ranks.text().splitlines()[:2] == ["2 Counted records", "rank  mean"]
+    assert "1     inf" in ranks.text()
+    assert render([]).text() == "no records"
 
 
 def test_history_text_lists_nonfinite_steps_and_spikes():
     records = [GradNormRecord(i, 1.0, {}, 0, 0) for i in range(5)]
     records += [GradNormRecord(5, 9.0, {}, 0, 0), GradNormRecord(6, math.inf, {}, 0, 2)]
-    text = history_text(records)
+    text = render_history(records).text()
     assert "NaN/Inf at steps: [6]" in text and "spikes at steps: [5]" in text
 
 

@@ -17,7 +17,7 @@ from fsdp_interactive.notebook.plots import (
     layout_figure,
     plain_number,
 )
-from fsdp_interactive.notebook.render import history_text
+from fsdp_interactive.notebook.render import render_history
 from tests.notebook.synthetic import llama_layout, llama_norms
 
 LAYERS_300 = 33  # 3 + 9 * 33 = 300 parameters
@@ -203,7 +203,7 @@ def test_monitor_summary_and_plot_count_the_same_steps(tmp_path):
     monitor = GradNormMonitor(log_path=log)
     monitor.poll()
     assert monitor.widget is not None
-    assert "10 steps (steps 0..9) recorded" in history_text(monitor.records)
+    assert "10 steps (steps 0..9) recorded" in render_history(monitor.records).text()
     assert "10 steps (steps 0..9) recorded" in monitor._summary.value
     assert monitor.figure().axes[0].get_title() == "gradient norm history: 10 steps (steps 0..9)"
     assert math.isfinite(monitor.totals[-1])

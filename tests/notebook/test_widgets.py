@@ -16,6 +16,7 @@ from fsdp_interactive.notebook import (
     GradNormView,
     LayoutView,
     ProbeInputError,
+    ProbeView,
     RankModel,
     SummonPanel,
     UnknownNameError,
@@ -375,3 +376,27 @@ def test_a_model_without_gradients_says_so(source):
         assert "total=" in repr(source.grad_norms())  # a model with gradients shows them
     finally:
         pool.run("del no_grads_yet", stream=False)
+
+
+def test_any_declared_probe_is_asked_by_name_and_shown_by_its_record_type(source):
+    truth = rank_truth(
+        source.pool,
+        "float(torch.nn.utils.clip_grad_norm_(widget_model.parameters(), 1e9, norm_type=1.0)"
+        ".full_tensor())",
+    )
+    norms = ProbeView(source, "grad_norms", norm_type=1.0)
+    assert norms.data.total == pytest.approx(truth[0], rel=1e-6)
+    assert norms.text().startswith(f"global L1 gradient norm: {number(norms.data.total)}")
+    pids = rank_truth(source.pool, "__import__('os').getpid()")
+    memory = ProbeView(source, "memory")
+    assert [m.pid for m in memory.data] == pids
+    widget = memory.widget
+    assert f">{pids[1]}<" in memory._table.value and str(pids[1]) in memory.text()
+    memory._refresh_button.click()
+    assert [m.pid for m in memory.data] == pids and widget is memory.widget
+    with pytest.raises(
+        ProbeInputError, match=r"RankModel.ask\('memroy'\): .*did you mean 'memory'"
+    ):
+        source.ask("memroy")
+    with pytest.raises(ProbeInputError, match="is not a plain value"):
+        source.ask("grad_norms", object())

@@ -118,3 +118,71 @@ def test_fault_link_dumps_arrive_when_the_kernel_holds_over_a_thousand_descripto
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_across_hosts_the_channel_is_encrypted_and_a_plain_one_gets_only_a_fault_link(agent):
+    agents, _ = agent
+    address = agents.addresses[0]
+    secure = _agent_wire.connect(address, KEY, 5)  # TCP: TLS by default
+    try:
+        assert secure.secure and secure._tls.cipher()[0] == "ADH-AES256-GCM-SHA384"
+        secure.send({"op": "ping"})
+        assert secure.recv()["pid"] == os.getpid()
+    finally:
+        secure.close()
+    plain = _agent_wire.connect(address, KEY, 5, secure=False)
+    try:
+        plain.send({"op": "stacks"})
+        assert plain.recv() == {"error": "'stacks' is answered only over TLS on this agent"}
+        plain.send({"op": "fault_link"})  # what faulthandler writes into: code locations
+        assert plain.recv() == {"ok": True}
+    finally:
+        plain.close()
+
+
+def test_a_man_in_the_middle_relaying_the_challenges_is_refused(agent):
+    """Someone between the kernel and a rank, holding a TLS session with each, relays every
+    byte of the handshake: each side's proof is bound to its own session, so neither
+    verifies, and what the relay sees of the sessions is all it gets."""
+    import socket
+
+    agents, _ = agent
+    listener = socket.create_server(("127.0.0.1", 0))
+    relayed: dict[str, object] = {}
+
+    def relay() -> None:
+        import select
+
+        from fsdp_interactive.pool.common import _secure_link
+
+        victim, _ = listener.accept()
+        try:
+            assert victim.recv(1) == b"S"
+            kernel_side = _secure_link.wrap(victim, server=True)
+            rank_side = socket.create_connection(agents.addresses[0], timeout=5)
+            rank_side.sendall(b"S")
+            rank_tls = _secure_link.wrap(rank_side, server=False)
+            peer = {kernel_side: rank_tls, rank_tls: kernel_side}
+            while True:  # every byte, both ways, until a side closes
+                ready = [s for s in peer if s.pending()] or select.select(list(peer), [], [], 10)[0]
+                if not ready:
+                    return
+                for source in ready:
+                    data = source.recv(4096)
+                    if not data:
+                        return
+                    relayed.setdefault("bytes", []).append(data)
+                    peer[source].sendall(data)
+        except (OSError, AssertionError) as exc:
+            relayed["ended"] = type(exc).__name__
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises((multiprocessing.AuthenticationError, OSError, EOFError)):
+            _agent_wire.connect(listener.getsockname()[:2], KEY, 5)
+    finally:
+        thread.join(10)
+        listener.close()
+    assert relayed.get("bytes")  # the relay did pass the first challenge along
+    assert agents.ask([0], {"op": "ping"})[0]["pid"] == os.getpid()  # the agent serves on

@@ -8,7 +8,7 @@ import ipyparallel as ipp
 import psutil
 import pytest
 
-from fsdp_interactive.pool import Pool, visible_cuda_device_count
+from fsdp_interactive.pool import Pool, PoolStartError, visible_cuda_device_count
 from fsdp_interactive.pool.processes import _devices
 from fsdp_interactive.pool.processes._pids import still_running
 from tests.pool.conftest import record, wait_gone
@@ -31,8 +31,16 @@ def test_connect_to_a_running_cluster(profile_dir, monkeypatch):
         }
         with pytest.raises(TypeError, match="does not do: controller_ip"):
             Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id, controller_ip="*")
+        # A cluster on plain loopback TCP: any local user could read it; refused unless told
+        refused = Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id)
+        with pytest.raises(PoolStartError) as refusal:
+            refused.start()
+        assert "listens on tcp://127.0.0.1 without CurveZMQ" in str(refusal.value)
+        assert "insecure_network=True" in str(refusal.value)
         # n defaults to every registered engine
-        pool = Pool.connect(profile_dir=profile_dir, cluster_id=cluster.cluster_id)
+        pool = Pool.connect(
+            profile_dir=profile_dir, cluster_id=cluster.cluster_id, insecure_network=True
+        )
         assert not pool.owns_engines
         pool.start()
         record(pool)

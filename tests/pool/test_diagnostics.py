@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import os
 import sys
 import time
 
@@ -203,7 +204,9 @@ def test_native_stacks_show_the_cpp_frames_of_a_blocked_rank(pool: Pool):
 def test_ranks_carry_a_process_title_that_ps_shows(pool: Pool):
     for rank_record in pool.topology:
         cmdline = " ".join(psutil.Process(rank_record.pid).cmdline())
-        assert cmdline.startswith(f"fsdp-interactive rank {rank_record.rank}/2, pool ")
+        # whose pool it is, and no random name of a private file (every user reads it)
+        title = f"fsdp-interactive rank {rank_record.rank}/2, kernel pid {os.getpid()}"
+        assert cmdline.strip() == title
         # the environment stays readable (setproctitle is told to leave it alone)
         assert psutil.Process(rank_record.pid).environ()
 

@@ -72,5 +72,6 @@ def test_killed_owner_leaves_no_engine_or_controller(profile_dir, log_level):
         end_processes(launched, grace=5)
     if log_level:
         decision = f"owner pid {owner.pid} is gone: ending its {len(launched)} recorded processes"
-        logs = [path.read_text() for path in Path(profile_dir, "log").glob("reaper-*.log")]
+        # in the cluster's private log folder, log/fsdpi-<cluster id>/
+        logs = [path.read_text() for path in Path(profile_dir, "log").glob("fsdpi-*/reaper-*.log")]
         assert any(decision in text for text in logs), logs

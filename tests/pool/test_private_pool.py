@@ -1,7 +1,8 @@
 """A pool on a shared host: its snapshot root is made private at pool start (and a path
-another user made first fails the start, left as it is), its private path and snapshot
-key are on no process's command line (``ps`` shows those to every user), and a one-host
-group's rendezvous store is a file in that private root, which no other user reaches."""
+another user made first fails the start, left as it is), its private paths and keys are
+on no process's command line (``ps`` shows those to every user), and a one-host group's
+rendezvous store is a file (mode 0600) in that private root, which no other user
+reaches."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsdp_interactive import _owner_key
 from fsdp_interactive.pool import Pool, PoolStartError
 from tests.pool.conftest import record, wait_gone
 from tests.second_user import as_other_user
@@ -41,7 +43,11 @@ def test_private_paths_and_the_key_are_on_no_command_line(pool: Pool):
     lines = _command_lines(pids)
     assert processes.forkers.pids()[0] in lines and processes._reaper.pid in lines
     assert len(lines) >= 5  # controller, forker, reaper, two ranks (and their nannies)
-    assert [pid for pid, line in lines.items() if root in line or key in line] == []
+    # Nor the socket folder, the controller's settings or this user's checkpoint key.
+    folder = processes.socket_folder
+    checkpoint_key = _owner_key.key_hex()
+    secrets = [root, key, folder, checkpoint_key, "FSDPI_CONTROLLER", "IPController.ip"]
+    assert folder and [pid for pid, line in lines.items() if any(s in line for s in secrets)] == []
     # The ranks hold both, in their environment (readable by this user only).
     seen = pool.run(
         "import os; os.environ['FSDPI_SNAPSHOT_ROOT'], len(os.environ['FSDPI_SNAPSHOT_KEY'])",
@@ -60,6 +66,7 @@ def test_a_one_host_rendezvous_store_is_a_file_in_the_private_root(pool: Pool):
     ((kind, path),) = stores
     assert kind == "FileStore" and Path(path).parent == root
     assert Path(path).name.startswith(".rendezvous-")
+    assert stat.S_IMODE(Path(path).lstat().st_mode) == 0o600  # whatever the umask
     tries = as_other_user(lambda: [_open_error(path), _open_error(str(root))])
     assert tries == ["PermissionError", "PermissionError"]
 

@@ -5,83 +5,62 @@ A snapshot is a collective call every rank makes from one thread. :data:`INFLIGH
 this process's latest background snapshot so that the next snapshot, a restore or a
 persist waits for it first: one snapshot is written at a time, and a second one started
 while the first is in flight waits (it does not raise). It is not a queue for snapshots
-started from several threads at once.
+started from several threads at once. The handle and the holder are the background
+result of :mod:`.._background_result`, which an async checkpoint save's handle shares.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-
+from fsdp_interactive.checkpoint._background_result import BackgroundResult, LatestInFlight
 from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 
-logger = logging.getLogger(__name__)
 
-
-class SnapshotHandle:
+class SnapshotHandle(BackgroundResult[SnapshotRecord]):
     """A background snapshot: its ``id`` and blocking ``seconds`` at once, its record once
     published.
 
     The snapshot is written and published on a background thread whether or not
-    :meth:`wait` is called. If a rank dies or a host goes away while it is written, the
-    surviving ranks' writes fail (gloo reports the closed connection, at the latest after
-    the process group's timeout) and :meth:`wait` raises that error; the previous
-    snapshot stays published and the unfinished one is never listed.
+    :meth:`wait` is called. A :class:`concurrent.futures.Future` (``result``,
+    ``add_done_callback``, ``asyncio.wrap_future``), except that ``exception()`` does not
+    block and a snapshot cannot be cancelled.
+
+    If a rank dies or a host goes away while it is written, the surviving ranks' writes
+    fail (gloo reports the closed connection, at the latest after the process group's
+    timeout) and :meth:`wait` raises that error; the previous snapshot stays published
+    and the unfinished one is never listed.
     """
 
+    _finished_word = "published"
+
     def __init__(self, snapshot_id: str, seconds: float):
+        super().__init__()
         self.id = snapshot_id
         self.seconds = seconds
-        self._done = threading.Event()
-        self._record: SnapshotRecord | None = None
-        self._error: BaseException | None = None
 
-    def done(self) -> bool:
-        """True once the snapshot is published or has failed."""
-        return self._done.is_set()
-
+    # Defined here, not only inherited, so that the API reference lists them.
     def wait(self, timeout: float | None = None) -> SnapshotRecord:
         """Block until published and return its record; raise its error, or
         ``TimeoutError`` after ``timeout`` seconds (the snapshot goes on)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"snapshot {self.id} still being written after {timeout}s")
-        if self._error is not None:
-            raise self._error
-        assert self._record is not None
-        return self._record
+        return super().wait(timeout)
 
-    def exception(self) -> BaseException | None:
-        """The snapshot's error once done (``None`` while running or on success)."""
-        return self._error if self._done.is_set() else None
+    def done(self) -> bool:
+        """True once the snapshot is published or has failed."""
+        return super().done()
 
-    def _finish(self, record: SnapshotRecord | None, error: BaseException | None = None) -> None:
-        self._record, self._error = record, error
-        self._done.set()
+    def exception(self, timeout: float | None = 0.0) -> BaseException | None:
+        """The snapshot's error once done (``None`` while running or on success); it
+        waits up to ``timeout`` seconds for the snapshot first (by default not at all)."""
+        return super().exception(timeout)
 
-    def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._error else "published")
-        return f"SnapshotHandle({self.id!r}, {state}, blocking {self.seconds:.3f}s)"
+    def _subject(self) -> str:
+        return self.id
 
+    def _still_running(self, timeout: float | None) -> str:
+        return f"snapshot {self.id} still being written after {timeout}s"
 
-class InflightSnapshot:
-    """This process's latest background snapshot (done or still running)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._latest: SnapshotHandle | None = None
-
-    def hold(self, handle: SnapshotHandle) -> None:
-        with self._lock:
-            self._latest = handle
-
-    def wait(self) -> None:
-        """Wait until the running background snapshot, if any, has finished; its error
-        stays on its handle."""
-        with self._lock:
-            latest = self._latest
-        if latest is not None and not latest.done():
-            logger.info("waiting for snapshot %s, still being written", latest.id)
-            latest._done.wait()
+    def _repr_details(self) -> str:
+        return f", blocking {self.seconds:.3f}s"
 
 
-INFLIGHT = InflightSnapshot()
+#: This process's latest background snapshot (done or still running).
+INFLIGHT: LatestInFlight[SnapshotHandle] = LatestInFlight()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fsdp_interactive import _private_files
 from fsdp_interactive._checksums import new_checksum
-from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint import _layout, _manifest, _owner_seal
 from fsdp_interactive.checkpoint._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._pipeline import _check_shared
 from fsdp_interactive.checkpoint._snapshot import _store
@@ -80,6 +80,9 @@ def persist_snapshot(
     name ``"snapshot_rng"`` (a per-rank :class:`~fsdp_interactive.checkpoint.RNGState`).
     A rank that dies or a host that goes away during the copy leaves a dot-folder next to
     ``directory`` (never listed, removed by the next save there) and the snapshot as it was.
+    Private as :func:`~fsdp_interactive.checkpoint.save` makes a checkpoint: folder 0700,
+    files 0600, sealed with this user's checkpoint key (refused where another user could
+    replace it).
     """
     INFLIGHT.wait()
     ranks = snapshot_ranks()
@@ -91,7 +94,7 @@ def persist_snapshot(
         _layout.check_save_target(final, overwrite)
         _layout.remove_stale_partials(final.parent)
         token = _layout.new_token()
-        _layout.partial_path(final, token).mkdir()
+        _layout.make_partial(final, token)
         return token
 
     partial = _layout.partial_path(final, ranks.run_on_rank0(preflight))
@@ -109,7 +112,8 @@ def persist_snapshot(
 
     def publish() -> CheckpointRecord:
         _store.write_descriptions(partial, located.texts)
-        _layout.publish(partial, final)
+        _owner_seal.write_seal(partial, located.texts.manifest, None)
+        _layout.publish(partial, final, mode=_layout.DEFAULT_MODE)
         return located.manifest.record(final)
 
     record = ranks.run_on_rank0(publish)

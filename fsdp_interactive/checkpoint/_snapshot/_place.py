@@ -6,8 +6,14 @@ host keeps which rank's files (the ring).
   temporary folder where there is no ``/dev/shm``). Ranks on one host share it; ranks on
   different hosts have different physical folders at the same path. It must be a
   private folder of this user (mode 0700, not a link; :func:`private_root`), made here
-  when missing: a root someone else made (the default path can be guessed) is refused
-  before anything is read from it or written to it.
+  when missing: a root someone else made is refused before anything is read from it or
+  written to it. The default path can be guessed, and another user who makes it first
+  (``/dev/shm`` is sticky: the owner cannot remove it) would deny snapshots for good; so
+  where the default path is taken by something that is not this user's private folder,
+  the root is ``/dev/shm/fsdpi-snapshots-<uid>-<12 hex digits>`` instead, the digits
+  derived from this user's checkpoint key (:mod:`fsdp_interactive._owner_key`): the
+  same on every rank and in every later process of the user, unknown to anyone else.
+  The first use in a process says so (a warning naming both folders).
 * The host of a rank is ``$FSDPI_SNAPSHOT_HOST`` when set, else ``socket.gethostname()``.
   The variable exists so that tests can place the ranks of one machine on simulated
   hosts (each with its own root); a pool never sets it.
@@ -21,6 +27,9 @@ snapshot's gloo group on first use (collectively).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import os
 import re
 import socket
@@ -29,10 +38,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fsdp_interactive import _private_files
+from fsdp_interactive import _owner_key, _private_files
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint.errors import SnapshotError
+
+logger = logging.getLogger(__name__)
 
 ROOT_ENV = "FSDPI_SNAPSHOT_ROOT"
 HOST_ENV = "FSDPI_SNAPSHOT_HOST"
@@ -48,10 +59,49 @@ def default_root() -> Path:
 
 
 def root_folder(root: str | os.PathLike | None = None) -> Path:
-    """``root`` if given, else ``$FSDPI_SNAPSHOT_ROOT``, else :func:`default_root` (absolute)."""
+    """``root`` if given, else ``$FSDPI_SNAPSHOT_ROOT``, else :func:`default_root` or, when
+    that path is taken by something that is not this user's private folder,
+    :func:`fallback_root` (absolute)."""
     if root is None:
-        root = os.environ.get(ROOT_ENV) or default_root()
+        root = os.environ.get(ROOT_ENV) or _unsquatted(default_root())
     return Path(root).absolute()
+
+
+def fallback_root(default: Path) -> Path:
+    """The root used where ``default`` is taken: its name and 12 hex digits derived from
+    this user's checkpoint key (see the module)."""
+    key = _owner_key.owner_key()
+    tag = hmac.new(key, b"fsdp-interactive snapshot root", hashlib.sha256).hexdigest()[:12]
+    return default.with_name(f"{default.name}-{tag}")
+
+
+_WARNED: set[Path] = set()
+
+
+def _unsquatted(default: Path) -> Path:
+    """``default``, unless it exists and is not a private folder of this user: then
+    :func:`fallback_root`, said once per process (``logging`` warning)."""
+    try:
+        _private_files.check_private_folder(default)
+        return default
+    except FileNotFoundError:
+        return default
+    except _private_files.NotPrivateError as exc:
+        try:
+            fallback = fallback_root(default)
+        except _owner_key.OwnerKeyError:
+            return default  # refused with its reason by private_root
+        if default not in _WARNED:
+            _WARNED.add(default)
+            logger.warning(
+                "the default snapshot folder %s %s (another user may have made it first); "
+                "snapshots go to the private folder %s instead (set %s to choose one)",
+                default,
+                exc.reason,
+                fallback,
+                ROOT_ENV,
+            )
+        return fallback
 
 
 def private_root(root: str | os.PathLike | None = None, *, create: bool = True) -> Path | None:

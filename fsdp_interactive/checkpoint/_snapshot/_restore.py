@@ -69,7 +69,7 @@ def _from_folder(folder: Path, ranks: Ranks) -> _Source:
     names) or a plain checkpoint (no names: the objects are given through ``objects``)."""
 
     def read() -> tuple[_manifest.Manifest, SnapshotRecord | None]:
-        manifest, _ = check_folder(folder)
+        manifest, _, _ = check_folder(folder)
         has_record = (folder / RECORD_FILE).is_file()
         return manifest, read_folder_record(folder) if has_record else None
 
@@ -208,6 +208,9 @@ def restore_snapshot(
         verify=source.located is None,  # a snapshot's copies were checked by complete()
         in_place=True,
         model_state=model_state,  # complete() changed no object since the key check
+        # A snapshot of the root was authenticated by its seal (the pool's key) when it
+        # was located, in a private folder; a folder the caller names must be the user's.
+        trusted=source.located is not None,
     )
     phases["load"] = time.monotonic() - loading
     report = RestoreReport(

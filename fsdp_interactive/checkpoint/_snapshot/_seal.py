@@ -20,15 +20,13 @@ Nothing here talks to other ranks.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import json
 import os
-import secrets
 from pathlib import Path
 
 from fsdp_interactive import _private_files
+from fsdp_interactive.checkpoint import _seal_json
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError, SnapshotError
 
 KEY_ENV = "FSDPI_SNAPSHOT_KEY"
@@ -42,27 +40,13 @@ _LABEL = b"fsdp-interactive snapshot\x00"
 
 def _root_key(root: Path, create: bool) -> bytes | None:
     """The key kept in the private folder ``root`` (made there on first use with
-    ``create``; ``None`` when there is none and not ``create``)."""
+    ``create``: :func:`~fsdp_interactive._private_files.key_file`; ``None`` when there is
+    none and not ``create``)."""
     path = root / KEY_FILE
-    with contextlib.suppress(FileNotFoundError):
-        return _read_key(path)
-    if not create:
+    if not create and not os.path.lexists(path):
         return None
-    # Made under a temporary name, then linked to its name: a rank that reads the key
-    # finds it whole, and of two ranks making one at once, the first link wins.
-    temporary = root / f"{KEY_FILE}.{secrets.token_hex(8)}"
-    _private_files.write_new_file(temporary, secrets.token_hex(32).encode())
     try:
-        with contextlib.suppress(FileExistsError):
-            os.link(temporary, path)
-    finally:
-        temporary.unlink()
-    return _read_key(path)
-
-
-def _read_key(path: Path) -> bytes:
-    try:
-        return bytes.fromhex(_private_files.read_regular(path).decode())
+        return bytes.fromhex(_private_files.key_file(root, KEY_FILE).decode())
     except ValueError:
         raise SnapshotError(
             f"{path}: not a snapshot key (hex digits); remove it (its snapshots cannot be "
@@ -96,9 +80,9 @@ def _mac(key: bytes, snapshot_id: str, name: str, text: str) -> str:
 def seal(key: bytes, snapshot_id: str, manifest_json: str, record_json: str) -> str:
     """The content of ``seal.json`` for a snapshot's manifest and record texts."""
     texts = dict(zip(SEALED, (manifest_json, record_json), strict=True))
-    data = {"format": _FORMAT, "algorithm": "hmac-sha256"}
-    data.update({name: _mac(key, snapshot_id, name, text) for name, text in texts.items()})
-    return json.dumps(data, indent=2, sort_keys=True)
+    return _seal_json.write(
+        _FORMAT, {name: _mac(key, snapshot_id, name, text) for name, text in texts.items()}
+    )
 
 
 def check(
@@ -119,11 +103,8 @@ def check(
             file=str(where),
         )
     try:
-        data = json.loads(seal_json)
-        if data.get("format") != _FORMAT or data.get("algorithm") != "hmac-sha256":
-            raise ValueError("not a snapshot seal")
-        macs = {name: str(data[name]) for name in SEALED}
-    except (ValueError, KeyError, AttributeError) as exc:
+        macs, _ = _seal_json.read(seal_json, _FORMAT, SEALED)
+    except ValueError as exc:
         raise CorruptCheckpointError(
             f"{where}: invalid seal ({exc}); refusing it", file=str(where)
         ) from None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -141,7 +140,7 @@ def _while_replaying(background: bool) -> SnapshotRecord | SnapshotHandle | None
     if not background or newest is None:
         return newest
     handle = SnapshotHandle(newest.id, 0.0)
-    handle._finish(newest)
+    handle.set_result(newest)
     return handle
 
 
@@ -237,17 +236,14 @@ def take(
         "snapshot %s written in %.3fs; publishing in the background", plan.id, handle.seconds
     )
 
-    def publish() -> None:
-        try:
-            record = _publish.finish(plan, contents, ranks, written, blocking=handle.seconds)
-        except BaseException as exc:
-            logger.warning("background snapshot %s failed: %s", plan.id, exc)
-            handle._finish(None, exc)
-        else:
-            handle._finish(record)
+    def publish() -> SnapshotRecord:
+        return _publish.finish(plan, contents, ranks, written, blocking=handle.seconds)
+
+    def failed(exc: BaseException) -> None:
+        logger.warning("background snapshot %s failed: %s", plan.id, exc)
 
     INFLIGHT.hold(handle)
-    threading.Thread(target=publish, name=f"snapshot:{plan.id}", daemon=True).start()
+    handle.run_in_thread(publish, f"snapshot:{plan.id}", failed)
     return handle
 
 

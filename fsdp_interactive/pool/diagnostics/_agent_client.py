@@ -1,8 +1,9 @@
 """Kernel side of the diagnostics channel: asking every rank's agent at once.
 
-:class:`RankAgents` holds the agents' addresses (``rank -> (host, port)``, as the ranks
-reported them when they joined) and the pool's channel key. Local and remote ranks are
-asked the same way:
+:class:`RankAgents` holds the agents' addresses (``rank -> (host, port)`` or the path of
+a unix socket, as the ranks reported them when they joined) and the pool's channel key
+(or each rank's own: an attached job's). Local and remote ranks are asked the same way
+(TLS to a TCP agent, :mod:`pool.common._agent_wire`):
 
 * :meth:`RankAgents.ask` sends one request to many ranks concurrently (one thread and
   one fresh authenticated connection per rank) and returns the replies that came within
@@ -131,7 +132,11 @@ class RankAgents:
         """Open the fault and event links of every rank (concurrently; failures are logged)."""
 
         def link(rank: int, kind: str) -> tuple[int, str, Connection]:
-            conn = _agent_wire.connect(self.addresses[rank], self._keys[rank], self.timeout)
+            address = self.addresses[rank]
+            # A fault link stays plain: faulthandler writes into its socket (it carries
+            # code locations, no values); everything else to a TCP agent is encrypted.
+            secure = kind != "fault_link" and not _agent_wire.is_unix(address)
+            conn = _agent_wire.connect(address, self._keys[rank], self.timeout, secure=secure)
             conn.send({"op": kind})
             reply = conn.recv()
             if not (isinstance(reply, dict) and reply.get("ok")):

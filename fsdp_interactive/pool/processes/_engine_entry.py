@@ -21,6 +21,12 @@ the connection info must already be in ``$IPP_CONNECTION_INFO``; the engine runs
 Forked with a nanny (the forker's ``"nanny"`` requests, :mod:`._forked_nanny`), the engine
 hands that ready-made nanny its arguments at registration instead of starting one; it
 starts ipyparallel's own should that nanny be missing or fail.
+
+In a one-host pool (its socket folder in ``$FSDPI_SOCKET_FOLDER``,
+:mod:`fsdp_interactive.pool.common._socket_folder`) the engine's own listener, the socket
+its heart reports each controller ping to, is a unix socket in that folder instead of
+loopback TCP, where any local user could reach it (and the nanny's relay socket, see
+:mod:`._forked_nanny`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from fsdp_interactive.pool.common import _socket_folder
 from fsdp_interactive.pool.processes._forked_nanny import NannyPipes
 
 _POLL_S = 0.02
@@ -172,7 +179,51 @@ def _engine_class() -> Any:
             self.log.info("the nanny forked with this engine serves %s", url)
             return url, pipe
 
+        def start_heartbeat(
+            self, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes
+        ) -> None:
+            folder = os.environ.get(_socket_folder.ENV_VAR)
+            if not folder or self.max_heartbeat_misses <= 0:
+                super().start_heartbeat(hb_ping, hb_pong, hb_period, identity)
+                return
+            _start_private_heartbeat(self, folder, hb_ping, hb_pong, hb_period, identity)
+
     return IPEngineWithForkedNanny
+
+
+def _start_private_heartbeat(
+    engine: Any, folder: str, hb_ping: str, hb_pong: str, hb_period: int, identity: bytes
+) -> None:
+    """ipyparallel 9.2.0's ``IPEngine.start_heartbeat`` (with its monitor on), the monitor
+    socket bound in the pool's socket ``folder`` instead of on loopback TCP."""
+    import zmq
+    from ipyparallel.controller.heartmonitor import Heart
+    from tornado import ioloop
+    from zmq.eventloop import zmqstream
+
+    monitor_url = _socket_folder.ipc_url(folder, f"heart-{os.getpid()}")
+    monitor = engine.context.socket(zmq.SUB)
+    if engine.curve_serverkey:
+        monitor.setsockopt(zmq.CURVE_SERVER, 1)
+        monitor.setsockopt(zmq.CURVE_SECRETKEY, engine.curve_secretkey)
+    monitor.bind(monitor_url)
+    monitor.setsockopt(zmq.SUBSCRIBE, b"")
+    engine._hb_listener = zmqstream.ZMQStream(monitor, engine.loop)
+    engine._hb_listener.on_recv(engine._report_ping)
+    heart = Heart(
+        hb_ping,
+        hb_pong,
+        monitor_url,
+        heart_id=identity,
+        curve_serverkey=engine.curve_serverkey,
+        curve_secretkey=engine.curve_secretkey,
+        curve_publickey=engine.curve_publickey,
+    )
+    heart.start()
+    # A little longer than the controller's period, as ipyparallel checks it.
+    engine.hb_check_period = hb_period + 500
+    engine._hb_reporter = ioloop.PeriodicCallback(engine._hb_monitor, engine.hb_check_period)
+    engine._hb_reporter.start()
 
 
 if __name__ == "__main__":

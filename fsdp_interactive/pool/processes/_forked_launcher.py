@@ -42,8 +42,9 @@ from typing import Any
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import Instance
+from traitlets import Instance, Unicode
 
+from fsdp_interactive import _private_files
 from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class EngineForker:
         self.where = where
         self.command = list(command) if command else forker_command()
         self.setup = setup or ForkerSetup()
-        with open(log_path, "ab") as log:
+        with os.fdopen(_private_files.open_log(log_path), "ab") as log:
             self._proc = subprocess.Popen(
                 self.command,
                 stdin=subprocess.PIPE,
@@ -415,6 +416,8 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkedEngineLauncher
     forker = Instance(EngineForker, allow_none=True)
+    #: Where the engines' logs go ("": the profile's ``log`` folder).
+    log_dir = Unicode("")
 
     @property
     def forker_pid(self) -> int | None:
@@ -425,7 +428,7 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
         if self.forker is None or not self.forker.running():
             raise ForkerError("ForkedEngineSetLauncher needs forker=<a running EngineForker>")
         self.n = n
-        log_dir = os.path.join(self.profile_dir, "log")
+        log_dir = self.log_dir or os.path.join(self.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
         engines = []
         for i in range(n):

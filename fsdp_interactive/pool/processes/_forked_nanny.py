@@ -19,6 +19,13 @@ sees the other end. The one difference: a nanny whose engine never sends the arg
   :meth:`Pipes.nanny_ends` for the two children, :func:`run_nanny` in the nanny's child;
 * engine side: :meth:`NannyPipes.from_environment` (the descriptors travel in
   :data:`FDS_ENV`) and :meth:`NannyPipes.hand_over`.
+
+The nanny relays the controller's control messages to its engine through a socket it
+binds and the engine connects to. ipyparallel binds it on loopback TCP, where any local
+user could connect and, the socket dealing messages out in turn, take some of them; in a
+one-host pool (the engine hands over its socket folder,
+:mod:`fsdp_interactive.pool.common._socket_folder`) it is a unix socket in that folder
+instead (:class:`_PrivateNanny`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import os
 import pickle
 from dataclasses import dataclass
 from typing import IO, Any
+
+from fsdp_interactive.pool.common import _socket_folder
 
 #: The engine's two descriptors, "ARGS_W,URL_R", in its environment (taken out at once).
 FDS_ENV = "FSDPI_NANNY_FDS"
@@ -75,8 +84,65 @@ def run_nanny(args_fd: int, url_fd: int) -> int:
     kwargs = pickle.loads(data)
     set_title(f"ipyparallel nanny of engine pid {kwargs.get('pid')} (fsdp-interactive)")
     kwargs["pipe"] = os.fdopen(url_fd, "w", buffering=1)
-    KernelNanny.main(**kwargs)
+    folder = kwargs.pop(SOCKET_FOLDER_KEY, None)
+    if folder:
+        _private_nanny_class().main(socket_folder=folder, **kwargs)
+    else:
+        KernelNanny.main(**kwargs)
     return 0
+
+
+#: The key of the nanny's arguments that names the pool's socket folder (the engine adds
+#: it; ipyparallel's own nanny does not take it).
+SOCKET_FOLDER_KEY = "fsdpi_socket_folder"
+
+
+def _private_nanny_class() -> Any:
+    """ipyparallel's ``KernelNanny`` whose relay socket is a unix socket in the pool's
+    socket folder (checked on ipyparallel 9.2.0, whose ``KernelNanny.start`` this repeats
+    but for that socket's address)."""
+    import signal
+    from threading import Thread
+
+    import zmq
+    from ipyparallel import util
+    from ipyparallel.engine.nanny import KernelNanny
+    from tornado.ioloop import IOLoop
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    from fsdp_interactive.pool.common._socket_folder import ipc_url
+
+    class _PrivateNanny(KernelNanny):
+        def __init__(self, *, socket_folder: str, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.relay_url = ipc_url(socket_folder, f"nanny-{os.getpid()}")
+
+        async def start(self) -> None:
+            self._watcher_thread = Thread(
+                target=self.wait_for_parent_thread, name="WatchParent", daemon=True
+            )
+            self._watcher_thread.start()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT is the engine's
+            self.loop = IOLoop.current()
+            self.context = zmq.Context()
+            self.control_socket = self.context.socket(zmq.ROUTER)
+            self.control_socket.identity = self.identity
+            util.connect(
+                self.control_socket, self.control_url, curve_serverkey=self.curve_serverkey
+            )
+            self.control_stream = ZMQStream(self.control_socket)
+            self.control_stream.on_recv_stream(self.dispatch_control)
+            self.parent_socket = self.context.socket(zmq.DEALER)
+            if self.curve_secretkey:
+                self.parent_socket.setsockopt(zmq.CURVE_SERVER, 1)
+                self.parent_socket.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secretkey)
+            self.parent_socket.bind(self.relay_url)
+            self.pipe.write(f"{self.relay_url}\n")
+            self.loop.add_handler(self.pipe, self.pipe_handler, IOLoop.READ | IOLoop.ERROR)
+            self.parent_stream = ZMQStream(self.parent_socket)
+            self.parent_stream.on_recv_stream(self.dispatch_parent)
+
+    return _PrivateNanny
 
 
 class NannyPipes:
@@ -108,6 +174,9 @@ class NannyPipes:
         Raises ``RuntimeError`` when the nanny is gone or ends without answering.
         """
         nanny_kwargs["pid"] = os.getpid()
+        folder = os.environ.get(_socket_folder.ENV_VAR)
+        if folder:
+            nanny_kwargs[SOCKET_FOLDER_KEY] = folder
         data = pickle.dumps(nanny_kwargs)
         assert self._args_fd is not None, "hand_over or discard was called already"
         fd, self._args_fd = self._args_fd, None

@@ -48,10 +48,11 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive import _engine_parent
-from fsdp_interactive.pool.common import _snapshot_root
+from fsdp_interactive import _controller_entry, _engine_parent, _private_files
+from fsdp_interactive.pool.common import _snapshot_root, _socket_folder
 from fsdp_interactive.pool.errors import PoolStartError
-from fsdp_interactive.pool.processes import _launch_watch, _ssh_check
+from fsdp_interactive.pool.processes import _channels, _launch_watch, _ssh_check
+from fsdp_interactive.pool.processes._channels import Channels
 from fsdp_interactive.pool.processes._engine_entry import engine_command
 from fsdp_interactive.pool.processes._host_forkers import HostForkers
 from fsdp_interactive.pool.processes._loop import LoopThread
@@ -205,12 +206,25 @@ class LaunchedProcesses:
     logs nothing), into ``reaper-<cluster id>.log`` next to the engines' logs.
     ``snapshot_root``: the pool's snapshot root (the same path on every host), handed to
     every engine forker and removed on every host when the pool stops.
+    ``insecure_network``: a pool that cannot keep its channels from others may start
+    (:mod:`._channels`). ``socket_folder``: the pool's private socket folder on this host
+    (made at the first one-host launch, kept across restarts, removed by :meth:`stop`);
+    ``channels``: those of the current cluster.
     """
 
-    def __init__(self, *, log_level: int | None = None, snapshot_root: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        log_level: int | None = None,
+        snapshot_root: str | None = None,
+        insecure_network: bool = False,
+    ) -> None:
         self.pids: dict[int, float] = {}
         self.log_level = log_level
         self.snapshot_root = snapshot_root
+        self.insecure_network = insecure_network
+        self.socket_folder: str | None = None
+        self.channels: Channels | None = None
         self.cluster: Any = None
         self._loop: LoopThread | None = None
         self._launchers: dict[int, Any] = {}
@@ -281,22 +295,29 @@ class LaunchedProcesses:
         async def start() -> None:
             began = time.monotonic()
             self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
+            channels = self.channels = self._choose_channels(engines, forked, kwargs)
+            log.debug("channels: %s", channels.describe())
+            log_dir = self._log_dir()
+            self._private_cluster_file(log_dir)
             # The forkers' imports are the longest step: they start first.
             engine_kwargs: dict[str, Any] = {}
             checked = None
             if forked:
-                engine_kwargs["forker"] = self._forkers.local(self._log_dir(), cluster_id())
+                engine_kwargs["forker"] = self._forkers.local(log_dir, cluster_id())
+                engine_kwargs["log_dir"] = log_dir
+                if channels.ipc and self.socket_folder:
+                    engine_kwargs["environment"] = {_socket_folder.ENV_VAR: self.socket_folder}
             elif ssh_forked:
                 engine_kwargs["hosts"] = self._ssh_hosts(SSHForkedEngineSetLauncher, n)
                 engine_kwargs["forkers"], started = self._forkers.on_ssh_hosts(
-                    engine_kwargs["hosts"], self._log_dir(), cluster_id()
+                    engine_kwargs["hosts"], log_dir, cluster_id()
                 )
                 # The versions are checked while the forkers import and the controller
                 # starts; nothing is forked before the answer.
                 checked = asyncio.get_running_loop().run_in_executor(
                     None, self._check_ssh_hosts, kwargs.get("config"), started
                 )
-            await self.cluster.start_controller()
+            await self.cluster.start_controller(**self._controller_kwargs(channels, log_dir))
             log.debug("controller up in %.2fs", time.monotonic() - began)
             if checked is not None:
                 await checked
@@ -349,15 +370,69 @@ class LaunchedProcesses:
         except ValueError as exc:
             raise PoolStartError(str(exc)) from None
 
+    def _choose_channels(self, engines: Any, forked: bool, kwargs: Mapping[str, Any]) -> Channels:
+        """The cluster's channels (:mod:`._channels`); makes the socket folder they need."""
+        from ipyparallel.cluster.launcher import LocalControllerLauncher
+
+        local = isinstance(self.cluster.controller_launcher_class, type) and issubclass(
+            self.cluster.controller_launcher_class, LocalControllerLauncher
+        )
+        channels = _channels.choose(
+            engines=engines,
+            forked=forked,
+            controller_ip=kwargs.get("controller_ip"),
+            local_controller=local,
+            insecure_network=self.insecure_network,
+        )
+        if channels.ipc and self.socket_folder is None:
+            try:
+                self.socket_folder = _socket_folder.make_folder()
+            except OSError as exc:
+                raise PoolStartError(str(exc)) from None
+        return channels
+
+    def _controller_kwargs(self, channels: Channels, log_dir: str) -> dict[str, Any]:
+        """What the controller launcher is made with: this package's controller entry, its
+        settings in its environment (:mod:`._controller_entry`), its log in ``log_dir``;
+        nothing for a controller launcher a config chose."""
+        if not channels.configurable:
+            return {}
+        output = os.path.join(log_dir, f"ipcontroller-{self.cluster.cluster_id}.log")
+        os.close(_private_files.open_log(output))
+        return {
+            "controller_cmd": _controller_entry.controller_command(),
+            "environment": _controller_entry.settings_env(
+                ipc=self.socket_folder if channels.ipc else None,
+                curve=channels.curve,
+                log_dir=log_dir,
+            ),
+            "output_file": output,
+        }
+
+    def _private_cluster_file(self, log_dir: str) -> None:
+        """ipyparallel's cluster file in the private ``log_dir``, made mode 0600 before
+        ipyparallel writes it (it keeps the mode of a file that exists)."""
+        path = os.path.join(log_dir, f"cluster-{self.cluster.cluster_id}.json")
+        os.close(_private_files.open_log(path))
+        self.cluster.cluster_file = path
+
     @property
     def forkers(self) -> HostForkers:
         """The engine forkers, one per host, kept from one group to the next."""
         return self._forkers
 
     def _log_dir(self) -> str:
+        """The cluster's private log folder, ``<profile>/log/fsdpi-<cluster id>`` (mode
+        0700, made here): the controller's, the engines', the forkers' and the reaper's
+        logs and ipyparallel's cluster file, each mode 0600."""
         log_dir = os.path.join(self.cluster.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
-        return log_dir
+        folder = os.path.join(log_dir, f"fsdpi-{self.cluster.cluster_id}")
+        try:
+            _private_files.make_private_folder(folder, exist_ok=True)
+        except _private_files.NotPrivateError as exc:
+            raise PoolStartError(f"refusing the pool's log folder: {exc}") from None
+        return folder
 
     def record(self) -> None:
         """Remember pids (with start time) of controller, engines, nannies and forkers
@@ -414,7 +489,7 @@ class LaunchedProcesses:
                 pid_file,
                 log_level=self.log_level,
                 log_path=log_path,
-                remove=[self.snapshot_root] if self.snapshot_root else [],
+                remove=[f for f in (self.snapshot_root, self.socket_folder) if f],
             )
             log.debug(
                 "orphan reaper started (pid %d) for %d processes%s",
@@ -538,6 +613,8 @@ class LaunchedProcesses:
         if not keep_forker:
             with contextlib.suppress(ValueError):
                 _snapshot_root.remove_root(self.snapshot_root)  # this host's, forked or not
+            _socket_folder.remove_folder(self.socket_folder)
+            self.socket_folder = None
             self._stop_reaper()
         if loop is not None:
             loop.close()

@@ -15,11 +15,12 @@ disappears (the pool was stopped normally) it exits. When the owner is gone it e
 every process listed in ``PIDS_FILE`` (a JSON object ``{"pid": create_time}``, rewritten
 atomically by the pool as it starts processes): SIGTERM, then SIGKILL after a grace
 period, and only where pid *and* start time still match, so a reused pid is never hit.
-It never looks processes up by name. Then it removes each folder of ``remove``, the
+It never looks processes up by name. Then it removes each folder of ``remove``: the
 pool's snapshot root on this host (:mod:`fsdp_interactive.pool.common._snapshot_root`,
-which refuses any other folder, and leaves one that is not a private folder of this user),
-which the engine forker removes too unless it was killed, and last ``PIDS_FILE`` and its
-folder, if that is then empty.
+which the engine forker removes too unless it was killed) and its socket folder
+(:mod:`fsdp_interactive.pool.common._socket_folder`); each of those refuses any other
+name, and leaves a folder that is not a private folder of this user. Last it removes
+``PIDS_FILE`` and its folder, if that is then empty.
 
 With ``LOG_LEVEL`` (a :mod:`logging` level name) it logs its decisions on stderr, which
 :func:`start_reaper` sends to a log file, since nobody is left to show them when it acts.
@@ -41,7 +42,8 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive.pool.common import _snapshot_root
+from fsdp_interactive import _private_files
+from fsdp_interactive.pool.common import _snapshot_root, _socket_folder
 from fsdp_interactive.pool.processes._pids import end_processes, is_running
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ def start_reaper(
         command.append(logging.getLevelName(log_level))
     orders = json.dumps({"remove": [str(folder) for folder in remove]}).encode()
     if logs:
-        with open(log_path, "ab") as log_file:  # type: ignore[arg-type]
+        with os.fdopen(_private_files.open_log(log_path), "ab") as log_file:  # type: ignore[arg-type]
             return _spawn(command, log_file, orders)
     return _spawn(command, subprocess.DEVNULL, orders)
 
@@ -133,8 +135,11 @@ def watch(owner_pid: int, owner_created: float, pid_file: Path, remove: Sequence
     ended = end_processes(pids)
     log.info("ended pids %s; the others had exited already", sorted(ended))
     for folder in remove:
+        sockets = os.path.basename(os.path.normpath(folder)).startswith(_socket_folder.PREFIX)
         try:
-            if _snapshot_root.remove_root(folder):
+            if sockets and _socket_folder.remove_folder(folder):
+                log.info("removed the socket folder %s", folder)
+            elif not sockets and _snapshot_root.remove_root(folder):
                 log.info("removed the snapshot root %s", folder)
         except ValueError as exc:
             log.warning("%s; left in place", exc)

@@ -11,10 +11,13 @@ interfaces by default, has no authentication (documented as unsafe on untrusted
 networks), registers itself in the c10d store and serves through an HTTP frontend on
 rank 0 that needs Jinja2 and aiohttp. The pool's channel must also carry the debugger,
 which evaluates code on the rank: it has to be authenticated. This agent is one daemon
-thread per rank, bound to the address the pool uses for that rank (loopback for a
-single-host pool, the rank's cluster address across hosts), and every connection must
-pass an HMAC challenge in both directions (:mod:`pool.common._agent_wire`) with a key derived per
-pool start from the cluster's HMAC key, which never travels.
+thread per rank, listening where the pool tells it: in a single-host pool on a unix
+socket in the pool's private socket folder
+(:mod:`fsdp_interactive.pool.common._socket_folder`; no other local user can connect to
+it, where any could to a loopback port), across hosts on the rank's cluster address; and
+every connection must pass an HMAC challenge in both directions
+(:mod:`pool.common._agent_wire`) with a key derived per pool start from the cluster's
+HMAC key, which never travels.
 
 Requests are dicts with an ``"op"``; each connection is served on its own thread, so a
 slow answer (py-spy) does not hold up another:
@@ -42,18 +45,21 @@ slow answer (py-spy) does not hold up another:
   live breakpoint asks for debugger commands.
 
 The agent needs the GIL to answer; a rank whose C code holds the GIL does not answer,
-and the kernel falls back to the signal. Not done: encryption (the channel is
-authenticated, not private, like ipyparallel's own traffic).
+and the kernel falls back to the signal. On TCP (ranks on several hosts, an attachable
+job's ``--listen``) every connection but the fault link is encrypted (TLS,
+:mod:`pool.common._secure_link`); the fault link stays plain, because faulthandler writes
+its dump straight into the socket, and carries code locations only.
 
 Other servers built on the agent (an attachable job's, :mod:`._attach_service`) hand it
-a socket that already listens (``listener``: a Unix socket in a private folder, say) and
+a socket that already listens (``listener``: a unix socket in a private folder, say) and
 ``handlers``: ops of their own, asked before the ones above, each called with the request
 and its connection; a handler that keeps the connection (a long-lived link) returns
-:data:`KEPT`.
+:data:`KEPT`. On TCP they are answered over TLS only, as the agent's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -65,6 +71,7 @@ from typing import Any
 
 from fsdp_interactive.pool.common import _agent_wire
 from fsdp_interactive.pool.common._agent_wire import STACK_SIGNAL
+from fsdp_interactive.pool.common._socket_folder import socket_path
 from fsdp_interactive.pool.rank._thread_stacks import CodeName
 
 log = logging.getLogger(__name__)
@@ -83,9 +90,10 @@ class RankAgent:
     ``user_thread``: ident of the thread that runs user code; ``code_name(filename)``
     labels notebook cell code; ``rank()`` tells the rank once the group formed;
     ``end_with_owner``: exit when the kernel's fault link ends without
-    :data:`pool.common._agent_wire.GOODBYE`. ``listener``: a listening socket to serve
-    on instead of a fresh TCP port on ``host``; ``handlers``: ops of the caller's own
-    (see the module).
+    :data:`pool.common._agent_wire.GOODBYE`. ``host``: the address to listen on (a fresh
+    TCP port), or the socket folder to listen in (an absolute path: a unix socket there).
+    ``listener``: a listening socket to serve on instead (``host`` is then unused);
+    ``handlers``: ops of the caller's own (see the module).
     """
 
     def __init__(
@@ -106,15 +114,12 @@ class RankAgent:
         self.code_name = code_name
         self.rank = rank
         self.handlers = dict(handlers or {})
-        if listener is None:
-            listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, 0))
-            listener.listen(64)
-        self._sock = listener
-        name = listener.getsockname()
-        #: ``(host, port)``, or the path of a Unix socket.
-        self.address: tuple[str, int] | str = name if isinstance(name, str) else name[:2]
+        #: The unix socket this agent made in a socket folder (removed when it closes).
+        self._unix_path: str | None = None
+        self._sock = listener if listener is not None else self._listen(host)
+        name = self._sock.getsockname()
+        #: ``(host, port)``, or the path of a unix socket.
+        self.address: _agent_wire.Address = name if isinstance(name, str) else name[:2]
         self._links: dict[str, Connection] = {}
         self._events: EventLink | None = None
         self._closed = False
@@ -122,6 +127,22 @@ class RankAgent:
             target=self._accept_loop, name="fsdp-interactive-agent", daemon=True
         )
         self._thread.start()
+
+    def _listen(self, host: str) -> socket.socket:
+        """A fresh listening socket: a unix socket in the socket folder ``host`` names (an
+        absolute path), else a fresh TCP port on the address ``host``."""
+        if os.path.isabs(host):  # the pool's socket folder
+            self._unix_path = socket_path(host, f"agent-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_path)  # an earlier group's agent of this process
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(self._unix_path)
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+        sock.listen(64)
+        return sock
 
     # ------------------------------------------------------------------ serving
 
@@ -148,6 +169,11 @@ class RankAgent:
                 except (EOFError, OSError):
                     return
                 op = request.get("op") if isinstance(request, dict) else None
+                if not self._may_answer(conn, op):
+                    _agent_wire.send(
+                        conn, {"error": f"{op!r} is answered only over TLS on this agent"}
+                    )
+                    continue
                 handler = self.handlers.get(op) if isinstance(op, str) else None
                 if handler is not None:
                     try:
@@ -172,6 +198,15 @@ class RankAgent:
         finally:
             if conn is not None:
                 conn.close()
+
+    def _may_answer(self, conn: Any, op: Any) -> bool:
+        """A TCP agent answers a plain connection (no TLS) with a fault link only: what it
+        carries names code, never values (:mod:`pool.common._agent_wire`)."""
+        return (
+            self._sock.family == socket.AF_UNIX
+            or getattr(conn, "secure", False)
+            or op in _agent_wire.PLAIN_OPS
+        )
 
     def answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
         """The reply to one of the agent's own requests (see the module)."""
@@ -268,6 +303,9 @@ class RankAgent:
         for conn in links.values():
             _shut(conn)
         self._sock.close()
+        if self._unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._unix_path)
 
 
 class EventLink:
@@ -311,8 +349,10 @@ def start(
     code_name: CodeName | None = None,
     rank: Callable[[], int] = lambda: -1,
     end_with_owner: bool = False,
-) -> tuple[str, int]:
-    """Start this process's agent on ``host`` (a fresh port); its ``(host, port)``.
+) -> _agent_wire.Address:
+    """Start this process's agent on ``host`` (a fresh port), or in the socket folder
+    ``host`` names (an absolute path: a unix socket there); its ``(host, port)``, or the
+    path of its unix socket.
 
     A running agent is replaced (a restarted pool brings a new key). ``user_thread``
     defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
@@ -328,7 +368,7 @@ def start(
         rank=rank,
         end_with_owner=end_with_owner,
     )
-    log.debug("diagnostics agent listening on %s:%d", *_AGENT.address)
+    log.debug("diagnostics agent listening on %s", _AGENT.address)
     return _AGENT.address
 
 

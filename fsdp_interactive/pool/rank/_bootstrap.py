@@ -29,7 +29,8 @@ Start-up, in order:
    and a readiness handshake through the store (every rank counts itself
    in and waits for the full count; no sleeps), checked by one ``all_reduce``, which
    also tells whether the flight recorder records this backend. The process takes a
-   title (``fsdp-interactive rank 1/4, pool <id>``) so that ``ps`` shows what it is.
+   title (``fsdp-interactive rank 1/4, kernel pid <pid>``) so that ``ps`` shows what it
+   is (and nothing secret: every user sees it).
 
 The diagnostics agent (:mod:`._agent`) is started by the engine's hooks
 (:mod:`._engine_shell`) around this, because its key comes from the engine's session.
@@ -147,8 +148,9 @@ def open_store(
     file store).
 
     ``store_file``: a ``FileStore`` at that path, whose folder (the pool's snapshot root)
-    is made a private folder first, or refused when it is not one; other rendezvous files
-    of earlier groups in it are removed. Otherwise a ``TCPStore`` server:
+    is made a private folder first, or refused when it is not one; the file is made mode
+    0600 (torch's store would take the umask's); other rendezvous files of earlier
+    groups in it are removed. Otherwise a ``TCPStore`` server:
     ``bind_address`` is the only address it listens on (rank 0's cluster address when
     ranks live on other hosts; ``""`` would be every interface).
     """
@@ -162,6 +164,8 @@ def open_store(
             if name.startswith(STORE_FILE_PREFIX) and name != os.path.basename(store_file):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, name))
+        with contextlib.suppress(FileExistsError):  # mode 0600, whatever the umask
+            os.close(_private_files.create_file(store_file))
         _STATE.store = FileStore(store_file, world_size)
         _STATE.store.set_timeout(timedelta(seconds=timeout_s))
         log.debug("rendezvous store in the file %s", store_file)

@@ -24,10 +24,12 @@ shell (every ipyparallel engine is an IPython kernel); nothing in ``fsdp``,
 * notices (:mod:`fsdp_interactive._notices`) go to the kernel over the agent's event link.
 * ``tqdm.auto`` bars publish their states as displays of this shell, which the notebook
   draws (:mod:`._tqdm_auto`).
+* IPython's ``%run`` fails the cell when the script raises (:func:`_make_run_magic_raise`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any
@@ -78,9 +80,10 @@ def code_name(filename: str) -> str | None:
 def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     """Start this engine's agent, then join the group as ``spec`` says.
 
-    ``spec["agent"]``: ``{"host": address to bind, "nonce": hex, "end_with_owner":
-    bool}`` (see :class:`._agent.RankAgent`). The record of
-    :func:`._bootstrap.join_group` comes back with ``agent`` (``[host, port]``).
+    ``spec["agent"]``: ``{"host": address to bind, or the socket folder to listen in,
+    "nonce": hex, "end_with_owner": bool}`` (see :class:`._agent.RankAgent`). The record
+    of :func:`._bootstrap.join_group` comes back with ``agent`` (``(host, port)``, or the
+    path of a unix socket).
     """
     shell = _shell()
     agent = spec["agent"]
@@ -97,7 +100,7 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     _notices.set_sink(_notify_kernel)
     _debugger.forget()
     record = _bootstrap.join_group(spec)
-    record["agent"] = list(address)
+    record["agent"] = address
     return record
 
 
@@ -180,7 +183,24 @@ def _install_hooks(shell: Any) -> None:
         # pasted prompts) sees the cell's code as the notebook has it.
         shell.input_transformers_cleanup.insert(0, _take_cell_mark)
         install_rank_bars()
+        _make_run_magic_raise(shell)
         _hooked = True
+
+
+def _make_run_magic_raise(shell: Any) -> None:
+    """IPython's ``%run`` shows the exception a script raises and returns, so a cell that
+    runs a failing script succeeds; on a rank the cell must fail (a failure the kernel never
+    hears of leaves the ranks out of step). ``%run``'s runner becomes IPython's own
+    ``safe_execfile`` with ``raise_exceptions=True`` (``sys.exit(0)`` still ends quietly)."""
+    run = shell.magics_manager.magics["line"].get("run")
+    magics = getattr(run, "__self__", None)  # IPython's ExecutionMagics instance
+    if magics is not None and hasattr(magics, "default_runner"):
+        magics.default_runner = functools.partial(_run_file_raising, shell)
+
+
+def _run_file_raising(shell: Any, filename: str, *where: Any, exit_ignore: bool = False) -> None:
+    __tracebackhide__ = True
+    shell.safe_execfile(filename, *where, exit_ignore=exit_ignore, raise_exceptions=True)
 
 
 def install_rank_bars() -> None:

@@ -85,6 +85,12 @@ class HostSet(HostServices):
         return self._state["head_address"]
 
     @property
+    def head_link(self) -> str:
+        """The network interface, in this machine's own namespace, that joins it to the
+        hosts: everything between the kernel and the hosts crosses it (a capture point)."""
+        return self._state["head_link"]
+
+    @property
     def subnet(self) -> str:
         return self._state["subnet"]
 
