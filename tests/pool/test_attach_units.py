@@ -13,7 +13,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_interactive import _attach_records
-from fsdp_interactive.pool.common import _agent_wire
+from fsdp_interactive.pool.common import _agent_wire, _secure_link
 from fsdp_interactive.pool.rank import _attach_service, _step_boundary
 from fsdp_interactive.pool.rank._attach_service import AttachOptions
 from fsdp_interactive.pool.rank._paused_cells import CellNamespace, code_name, run_cell
@@ -123,7 +123,9 @@ def test_job_names_come_from_slurm_or_torchrun_and_the_default_folder_is_private
         _attach_records.socket_path("/" + "x" * 120, 0)
 
 
-def test_a_rank_listens_on_tcp_only_where_asked_and_pause_timeouts_are_bounded(tmp_path):
+def test_a_rank_listens_on_tcp_only_where_asked_over_tls_and_pause_timeouts_are_bounded(
+    tmp_path,
+):
     for bad, match in (
         (AttachOptions(pause_timeout=0), "pause_timeout must be seconds"),
         (AttachOptions(pause_timeout=10**6), "pause_timeout must be seconds"),
@@ -144,11 +146,21 @@ def test_a_rank_listens_on_tcp_only_where_asked_and_pause_timeouts_are_bounded(t
             _agent_wire.connect(record.address, b"wrong key", 5.0)
         for address in (record.address, record.socket):
             conn = _agent_wire.connect(address, record.key_bytes, 5.0)
+            # TCP: TLS with the rank's key bound to the session; the private socket: plain
+            assert isinstance(conn, _secure_link.SecureLink) == (address == record.address)
             _agent_wire.send(conn, {"op": "status"})
             assert conn.recv()["state"].pid == os.getpid()
             _agent_wire.send(conn, {"op": "pause", "session": "nobody's", "step": 1})
             assert "NotAttached" in conn.recv()["error"]  # control needs the session
+            _agent_wire.send(conn, {"op": "fault_link"})  # it would install a signal handler
+            assert "keeps no fault_link" in conn.recv()["error"]
             conn.close()
+        # A plain connection on TCP, with the key: the job's requests are refused.
+        plain = _agent_wire.connect(record.address, record.key_bytes, 5.0, secure=False)
+        for op in ("status", "session", "stacks"):
+            _agent_wire.send(plain, {"op": op, "session": "s", "client": {}})
+            assert "only over TLS" in plain.recv()["error"]
+        plain.close()
     finally:
         service.close()
     assert not (folder / "unit").exists()

@@ -205,6 +205,10 @@ class AttachService:
             status=lambda r, c: {"state": self.state()},
             stacks=self._diagnostics,
             trace=self._diagnostics,
+            # A pool's kernel keeps these links; here a fault link would install a handler
+            # of the job's SIGUSR1, and a plain connection to --listen may ask for one.
+            fault_link=_no_link,
+            event_link=_no_link,
         )
         return handlers
 
@@ -319,6 +323,13 @@ class AttachService:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _no_link(request: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    return {
+        "error": f"an attachable job keeps no {request.get('op')} (it installs no signal "
+        "handler); ask for status, stacks or trace"
+    }
 
 
 def _step_or_next(value: Any) -> int | None:
