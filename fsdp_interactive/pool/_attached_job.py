@@ -554,6 +554,25 @@ class AttachedJob:
         """Refused: the job keeps no failed cell to look at (raises :class:`JobError`)."""
         raise self._not_here("debugged post mortem")
 
+    def run_script(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the job runs its own script (raises :class:`JobError`)."""
+        raise self._not_here("given a script to run")
+
+    def continue_script(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: no script run of this notebook's is paused on the job (raises
+        :class:`JobError`)."""
+        raise self._not_here("given a script to run")
+
+    def script_status(self) -> None:
+        """``None``: no script run of this notebook's is on the job (see
+        :meth:`status`)."""
+        return None
+
+    def export(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the job is a script already and has no journal to write one from
+        (raises :class:`JobError`)."""
+        raise self._not_here("exported")
+
     def __enter__(self) -> AttachedJob:
         return self
 

@@ -1,5 +1,6 @@
 """``%fsdp attach``, ``status``, ``stacks``, ``trace``, ``pause``, ``%%fsdp``, ``pull``,
-``snapshot``, ``resume`` and ``detach`` on a running torchrun job, in a real IPython shell."""
+``snapshot``, ``resume`` and ``detach`` on a running torchrun job, in a real IPython shell
+(``run``, ``continue`` and ``export``, a pool's, refused)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from fsdp_interactive.notebook import magics
-from tests.pool.attach_jobs import TorchrunJob
+from fsdp_interactive.pool import JobError
+from tests.pool.attach_jobs import SCRIPT, TorchrunJob
 
 
 @pytest.fixture
@@ -72,6 +74,13 @@ def test_the_attach_magics_drive_a_running_job(attach_shell, tmp_path, capsys):
         assert out.startswith("took snapshot ") and f"written to {tmp_path / 'kept'}" in out
         shell.run_line_magic("fsdp", "trace")
         assert "all_reduce" in _out(capsys)
+        # What only a pool started here does, refused naming what to type instead
+        for line, what in ((f"run {SCRIPT}", "given a script to run"), ("export x.py", "exported")):
+            with pytest.raises(JobError, match=f"it is not {what} from here") as refused:
+                shell.run_line_magic("fsdp", line)
+            assert "%fsdp detach" in "\n".join(refused.value._render_traceback_())
+        with pytest.raises(UsageError, match="no script run is paused"):
+            shell.run_line_magic("fsdp", "continue")
 
         shell.run_line_magic("fsdp", "resume")
         assert _out(capsys) == "job job runs on\n"
