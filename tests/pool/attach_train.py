@@ -4,12 +4,13 @@
         --steps 12 [--step-sleep S] [--hold-at STEP --hold-rank R --release FILE] \\
         [--stop-file FILE] [--out FILE]
 
-Each step: forward, backward, the loss averaged over the ranks for the log (an
-``all_reduce``), ``optimizer.step()``, ``zero_grad()``. ``--hold-at``: in that step, rank
-``--hold-rank`` waits before the loss's ``all_reduce`` until the file ``--release``
-exists (the other ranks wait inside the ``all_reduce``): a hang the tests diagnose and
-end. ``--stop-file``: run until that file exists instead of ``--steps``. ``--out``: rank
-0 saves every parameter's full tensor there at the end.
+Each step: forward, backward, the loss summed over the ranks for the log (an
+``all_reduce``, which also tells every rank whether one is done), ``optimizer.step()``,
+``zero_grad()``. ``--hold-at``: in that step, rank ``--hold-rank`` waits before the
+loss's ``all_reduce`` until the file ``--release`` exists (the other ranks wait inside
+the ``all_reduce``): a hang the tests diagnose and end. ``--stop-file``: run until a rank
+sees that file (every rank stops after the same step) instead of ``--steps``. ``--out``:
+rank 0 saves every parameter's full tensor there at the end.
 """
 
 from __future__ import annotations
@@ -44,16 +45,21 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(100 + rank)
 
-    step = 0
-    while step < args.steps if args.stop_file is None else not os.path.exists(args.stop_file):
+    step, stopping = 0, False
+    while not stopping:
         x, y = torch.randn(8, 16, generator=data), torch.randn(8, 8, generator=data)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         if step + 1 == args.hold_at and rank == args.hold_rank:
             while not os.path.exists(args.release):
                 time.sleep(0.05)
-        logged = loss.detach().clone()
+        # The log's all_reduce also carries whether a rank is done, so that every rank
+        # stops after the same step (each one looking at the stop file for itself could
+        # see it a step apart: then the ranks' last collectives differ).
+        done = step + 1 >= args.steps if args.stop_file is None else os.path.exists(args.stop_file)
+        logged = torch.stack([loss.detach(), torch.tensor(float(done))])
         dist.all_reduce(logged)
+        stopping = bool(logged[1] > 0)
         optimizer.step()
         optimizer.zero_grad()
         step += 1
