@@ -39,10 +39,13 @@ test: setup lint
 # The tests marked `timing` (live output and bars, death and hang detection, breakpoints,
 # interrupts, recovery and multi-host faults), STRESS_ROUNDS rounds beside a CPU hog of
 # twice the cores that the runner starts and ends; prints each test's failures out of N
-# (tests/stress.py; reports in out/stress). STRESS_ARGS='-- -k bar' narrows it.
+# (tests/stress.py; reports in out/stress). STRESS_ARGS='-- -k bar' narrows it. After each
+# round, STRESS_STARTS pool starts and stops of 4 and of 8 ranks, cold and from a warmed
+# forker (tests/start_loop.py), and the starts that failed out of those made.
 STRESS_ROUNDS ?= 5
+STRESS_STARTS ?= 5
 test-stress: setup
-	$(PY) -m tests.stress --rounds $(STRESS_ROUNDS) $(STRESS_ARGS)
+	$(PY) -m tests.stress --rounds $(STRESS_ROUNDS) --starts $(STRESS_STARTS) $(STRESS_ARGS)
 
 # The rank-side tests on another torch release, in its own virtualenv (.venv-torch-VERSION)
 # with torch's PyPI wheel (a CUDA build; it runs on CPU). CI runs the lowest release

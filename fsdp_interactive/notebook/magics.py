@@ -190,6 +190,11 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
         action="store_true",
         help="start even where the pool's channels would cross the network unencrypted",
     )
+    @argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more CPU ranks than this host has cores without a warning",
+    )
     @_hang_notice_options("any cell", "(default 30)")
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
@@ -227,6 +232,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
                 flight_recorder=args.flight_recorder,
                 recover="auto" if args.recover == "auto" else None,
                 insecure_network=args.insecure_network,
+                oversubscribe=args.oversubscribe,
                 **({} if hang_notice is None else {"hang_notice": hang_notice}),
             )
         except ValueError as error:

@@ -2,7 +2,7 @@
 
 Where ranks go (``n``, ``devices``, ``backend``) is :mod:`._placement`'s; what is checked
 here is the rest: the launcher's name, time limits, the flight recorder's size, the
-collective checks and automatic recovery. Each bad value raises ``ValueError`` naming the argument.
+collective checks, automatic recovery, start-up's progress and its oversubscription warning. Each bad value raises ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -24,8 +24,13 @@ def check_options(
     flight_recorder: Any,
     check_collectives: Any,
     recover: Any = None,
+    oversubscribe: Any = False,
+    show_progress: Any = True,
 ) -> None:
     """Raise ``ValueError`` for the first option that is not what ``Pool`` takes."""
+    for name, flag in (("oversubscribe", oversubscribe), ("show_progress", show_progress)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     if flight_recorder is not None and (
         isinstance(flight_recorder, bool)
         or not isinstance(flight_recorder, int)

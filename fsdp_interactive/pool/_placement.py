@@ -218,3 +218,43 @@ def settle(placement: Placement, hosts: Mapping[str, tuple[int, int | None]]) ->
             "a host as it has devices"
         )
     return Placement(placement.n, "local_rank", placement.backend or "nccl")
+
+
+#: Set to 1 to start more CPU ranks than this host has cores without a warning.
+OVERSUBSCRIBE_ENV = "FSDPI_OVERSUBSCRIBE"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription(
+    placement: Placement, *, local_engines: bool, allowed: bool, cores: int | None = None
+) -> str | None:
+    """The warning for more CPU ranks on this host than it has cores (``None``: none due).
+
+    Every rank then gets a fraction of a core: the start, each collective and each step
+    slow down in proportion, and timeouts meant for a quiet machine pass. ``allowed``:
+    the caller said so (``oversubscribe=True``), or ``$FSDPI_OVERSUBSCRIBE`` is 1; engines
+    on other hosts are not counted here (their cores are theirs).
+    """
+    if allowed or os.environ.get(OVERSUBSCRIBE_ENV, "").strip() in ("1", "true", "yes"):
+        return None
+    if not local_engines or placement.devices is not None or placement.n is None:
+        return None
+    cores = usable_cores() if cores is None else cores
+    if placement.n <= cores:
+        return None
+    share = placement.n / cores
+    return (
+        f"{placement.n} CPU ranks on {cores} core{'s' if cores != 1 else ''}: each rank "
+        f"gets about 1/{share:.3g} of a core, so the ranks compute about {share:.3g} times "
+        "slower than with a core each, and the start and every collective wait on them "
+        f"(timeouts meant for a quiet machine may pass). Start at most {cores} "
+        f"rank{'s' if cores != 1 else ''}, or silence this: %fsdp start --oversubscribe, "
+        f"Pool(..., oversubscribe=True), or {OVERSUBSCRIBE_ENV}=1"
+    )

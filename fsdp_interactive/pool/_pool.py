@@ -51,9 +51,10 @@ from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._live_group import LiveGroup
 from fsdp_interactive.pool._options import check_options, flight_recorder_entries
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
-from fsdp_interactive.pool._placement import check_request, plan
+from fsdp_interactive.pool._placement import check_request, oversubscription, plan
 from fsdp_interactive.pool._rendezvous import Rendezvous, connect_client
 from fsdp_interactive.pool._snapshots import SnapshotBook
+from fsdp_interactive.pool._start_progress import StartProgress, describe_ranks
 from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
@@ -118,13 +119,21 @@ class Pool(FaultCalls, DebuggingCalls):
         Other keyword arguments go to ``ipyparallel.Cluster`` unchanged (e.g.
         ``profile_dir``, ``controller_ip``, ``config``).
     timeout:
-        Seconds for start-up: engines registering plus process-group creation.
+        Seconds for start-up: engines registering plus process-group creation. An
+        engine lost on the way (it exits, or stays silent while the others register) is
+        started once more, and that may add up to half of ``timeout``.
     pg_timeout:
         ``torch.distributed`` process-group timeout in seconds (default 600): a
         collective waiting longer than this fails on the ranks. The pool's own watchdog
         (``timeout=`` of ``run``/``call``) reports hangs sooner, without killing anything.
     show_topology:
         Print the rank table when the pool starts.
+    show_progress:
+        Show the start's phases while it runs (controller up, engines k/N registered,
+        group formed), on one line that moves in place on stdout.
+    oversubscribe:
+        Start more CPU ranks than this host has cores without the warning that says so
+        (also ``$FSDPI_OVERSUBSCRIBE=1``).
     interrupt_grace:
         Seconds to wait for ranks to stop after forwarding SIGINT.
     log_level:
@@ -177,6 +186,8 @@ class Pool(FaultCalls, DebuggingCalls):
         recover: str | None = None,
         hang_notice: float | bool = DEFAULT_HANG_NOTICE_S,
         insecure_network: bool = False,
+        show_progress: bool = True,
+        oversubscribe: bool = False,
         **cluster_kwargs: Any,
     ) -> None:
         self._request = check_request(n, devices, backend)
@@ -190,6 +201,8 @@ class Pool(FaultCalls, DebuggingCalls):
             flight_recorder=flight_recorder,
             check_collectives=check_collectives,
             recover=recover,
+            oversubscribe=oversubscribe,
+            show_progress=show_progress,
         )
         _hosts.check_controller_ip(cluster_kwargs.get("controller_ip"))
         self._log_level = _logs.parse_level(log_level)
@@ -199,6 +212,8 @@ class Pool(FaultCalls, DebuggingCalls):
         self.timeout = float(timeout)
         self.pg_timeout = float(pg_timeout)
         self.show_topology = show_topology
+        self.show_progress = show_progress
+        self.oversubscribe = oversubscribe
         self.interrupt_grace = float(interrupt_grace)
         self.flight_recorder = flight_recorder
         self.check_collectives = check_collectives
@@ -337,24 +352,36 @@ class Pool(FaultCalls, DebuggingCalls):
             _logs.enable(self._log_level)
         local = self.owns_engines and self.engines == "local"  # else engines report devices
         placement = plan(self._request, local_engines=local, connecting=not self.owns_engines)
+        crowded = oversubscription(placement, local_engines=local, allowed=self.oversubscribe)
+        if crowded:
+            print(f"fsdp-interactive: warning: {crowded}", file=sys.stderr, flush=True)
         log.debug("starting: %s, engines=%r", placement, self.engines)
+        progress = StartProgress(
+            describe_ranks(placement.n, placement.devices, placement.backend),
+            shown=self.show_progress,
+            moving=self._log_level is None,  # log records come between the phases
+        )
+        progress.controller_starting(connecting=not self.owns_engines)
         began = time.monotonic()
         self._state = PoolState.STARTING
         _live_pools.add(self)
         try:
-            rendezvous = self._open(placement.n)
+            rendezvous = self._open(placement.n, progress)
             n = placement.n or len(self._client.ids)
+            progress.engines_up(n)
             group = rendezvous.form_group(n, placement)
             for record in group.records:
                 self._processes.alias(record.pid, group.parent_pids.get(record.rank))
             self._live = LiveGroup(self._client, group, self._processes, owned=self.owns_engines)
             rendezvous.set_up_namespaces(group)
         except BaseException:
+            progress.failed()
             log.debug(
                 "start-up failed after %.2fs; stopping what was started", time.monotonic() - began
             )
             self._teardown()
             raise
+        progress.formed()
         self._state = PoolState.RUNNING
         self._faults.started()
         self.needs_restart = False
@@ -364,9 +391,10 @@ class Pool(FaultCalls, DebuggingCalls):
             print(self.topology_table(), flush=True)
         return self
 
-    def _open(self, n: int | None) -> Rendezvous:
+    def _open(self, n: int | None, progress: StartProgress) -> Rendezvous:
         """Launch the cluster (or connect to it) and wait for its engines to register."""
         deadline = time.monotonic() + self.timeout
+        reconnect: Callable[[float], Any]
         if self.owns_engines:
             assert n is not None
             self._client = self._processes.launch(
@@ -374,18 +402,22 @@ class Pool(FaultCalls, DebuggingCalls):
                 engines=self.engines,
                 cluster_kwargs=self._cluster_kwargs,
                 timeout=self.timeout,
+                on_controller_up=progress.controller_up,
             )
+            reconnect = self._processes.connect_client
             channels = self._processes.channels
             insecure = channels is not None and channels.insecure
         else:
             assert self._connect_kwargs is not None
-            self._client = connect_client(self._connect_kwargs)
+            connect_kwargs = self._connect_kwargs
+            self._client = connect_client(connect_kwargs)
+            progress.controller_up(connecting=True)
+            reconnect = lambda timeout: connect_client({**connect_kwargs, "timeout": timeout})  # noqa: E731
             insecure = check_connected_channels(
                 self._client, insecure_network=self.insecure_network
             )
         if insecure:
-            print(f"fsdp-interactive: {INSECURE_NOTE}", file=sys.stderr, flush=True)
-        _stray_comms.keep_iopub_alive(self._client)
+            progress.notice(f"fsdp-interactive: {INSECURE_NOTE}", stream="stderr")
         rendezvous = Rendezvous(
             self._client,
             timeout=self.timeout,
@@ -401,7 +433,17 @@ class Pool(FaultCalls, DebuggingCalls):
             },
             socket_folder=self._processes.socket_folder if self.owns_engines else None,
         )
-        rendezvous.wait_for_engines(n or 1, deadline)
+        try:
+            rendezvous.wait_for_engines(
+                n or 1,
+                deadline,
+                reconnect=reconnect,
+                on_count=lambda count: progress.registered(count, n),
+                notice=progress.notice,
+            )
+        finally:
+            self._client = rendezvous.client  # a new client may have taken over
+        _stray_comms.keep_iopub_alive(self._client)
         return rendezvous
 
     def stop(self) -> None:

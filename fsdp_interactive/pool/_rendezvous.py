@@ -4,7 +4,8 @@ The steps after the engines are up (launched by :mod:`pool.processes._launched`,
 cluster the pool connected to), each a call on the engines into
 :mod:`pool.rank._bootstrap`:
 
-1. wait until ``n`` engines registered with the controller;
+1. wait until ``n`` engines registered with the controller, as the controller counts them,
+   each engine that is lost started once more (:mod:`pool._registration`);
 2. describe the engines (host, address, pid, and their CUDA device counts when the
    placement needs them), assign ranks (:mod:`pool.common._topology`) and settle the
    placement from those reports (:func:`pool._placement.settle`);
@@ -50,6 +51,7 @@ import ipyparallel as ipp
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
+from fsdp_interactive.pool._registration import Registration
 from fsdp_interactive.pool.common import _agent_wire, _hosts, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
 from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
@@ -62,7 +64,6 @@ from fsdp_interactive.pool.rank._bootstrap import SOCKET_IFNAME_VARS
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_REGISTRATION_POLL_S = 0.02
 #: How long a start-up step that saw an engine die waits for its process's end to show.
 _EXIT_NOTICE_S = 2.0
 
@@ -148,30 +149,37 @@ class Rendezvous:
         self._flight_recorder = flight_recorder
         self._check_collectives = check_collectives
 
-    def wait_for_engines(self, n: int, deadline: float) -> None:
-        """Wait until ``n`` engines registered (``deadline``: a ``time.monotonic()``)."""
-        began = time.monotonic()
-        launched = self._launched
-        while len(self._client.ids) < n:
-            exited = self._exited_engines()
-            if exited:
-                raise PoolStartError(_exited(exited[0], "before registering"))
-            problem = launched.launch_problem() if launched else None
-            if problem:
-                raise PoolStartError(
-                    f"{len(self._client.ids)} of {n} engines registered, and no more can: {problem}"
-                )
-            if time.monotonic() > deadline:
-                state = launched.launch_state() if launched else ""
-                raise PoolStartError(
-                    f"only {len(self._client.ids)} of {n} engines registered within "
-                    f"timeout={self._timeout:g}s; everything started was stopped"
-                    + (f"\n{state}" if state else "")
-                )
-            time.sleep(_REGISTRATION_POLL_S)
-        log.debug("%d engines registered in %.2fs", n, time.monotonic() - began)
-        if launched:
-            launched.record()  # nannies and children that came up since the launch
+    @property
+    def client(self) -> Any:
+        """The client the steps use (a registration wait may have replaced the first)."""
+        return self._client
+
+    def wait_for_engines(
+        self,
+        n: int,
+        deadline: float,
+        *,
+        reconnect: Callable[[float], Any] | None = None,
+        on_count: Callable[[int], None] | None = None,
+        notice: Callable[[str], None] | None = None,
+    ) -> None:
+        """Wait until ``n`` engines registered (``deadline``: a ``time.monotonic()``), as
+        the controller counts them, retrying an engine that is lost once
+        (:mod:`pool._registration`; ``reconnect(timeout)``: a new client of the cluster,
+        ``on_count(k)``: the count changed, ``notice(text)``: a retry to tell)."""
+        waiting = Registration(
+            self._client,
+            n,
+            timeout=self._timeout,
+            reconnect=reconnect,
+            launched=self._launched,
+            on_count=on_count,
+            notice=notice,
+        )
+        try:
+            waiting.wait(deadline)
+        finally:
+            self._client = waiting.client  # the one left open, for the caller to close
 
     def form_group(self, n: int, placement: Placement) -> Group:
         """Make the first ``n`` registered engines ranks of a new default process group."""

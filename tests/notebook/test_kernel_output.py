@@ -61,12 +61,24 @@ class Kernel:
 
 
 @contextlib.contextmanager
+def fsdp_kernel() -> Iterator[Kernel]:
+    """A started kernel; ``%fsdp stop`` is run and the kernel shut down at the end."""
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=_kernel_env())
+    try:
+        yield Kernel(client)
+    finally:
+        try:
+            Kernel(client).run("%fsdp stop", timeout=120)
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+
+
+@contextlib.contextmanager
 def pool_kernel(start: str = "-n 2 --backend gloo") -> Iterator[Kernel]:
     """A started kernel with the extension loaded and ``%fsdp start START`` run; the pool
     is stopped and the kernel shut down at the end."""
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=_kernel_env())
-    kernel = Kernel(client)
-    try:
+    with fsdp_kernel() as kernel:
         errors = [
             m
             for m in kernel.run(f"%load_ext fsdp_interactive\n%fsdp start {start}")
@@ -74,12 +86,6 @@ def pool_kernel(start: str = "-n 2 --backend gloo") -> Iterator[Kernel]:
         ]
         assert not errors, errors
         yield kernel
-    finally:
-        try:
-            kernel.run("%fsdp stop", timeout=120)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=False)
 
 
 @pytest.fixture(scope="module")

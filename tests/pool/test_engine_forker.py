@@ -340,3 +340,47 @@ def test_a_forker_killed_by_sigkill_leaves_the_root_to_the_reaper(tmp_path):
         assert (root / "s000001" / "manifest.json").exists()
     finally:
         forker.close()
+
+
+def _ended(pid: int, timeout: float = 30.0) -> None:
+    """Wait until child ``pid`` of this process has ended, without reaping it."""
+    end = time.monotonic() + timeout
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        assert time.monotonic() < end, f"child {pid} did not end"
+        time.sleep(0.01)
+
+
+def test_a_child_reaped_while_its_event_waited_in_the_batch_is_not_reaped_again():
+    # The forker's loop reaps the children whose pidfds one select() reported, in turn;
+    # reaping the first runs code (a warm import's SIGCHLD handler) that reaps the second
+    # already. The second's event is then stale: the forker used to crash on it (KeyError),
+    # failing the next start with "the engine forker ended with status 1".
+    from fsdp_interactive.pool.processes import _engine_forker
+    from fsdp_interactive.pool.processes._forked_children import fork_child
+    from fsdp_interactive.pool.processes._forker_setup import RootState
+
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    server = _engine_forker._Server(requests_r, replies_w, RootState())
+    try:
+        first = fork_child(lambda: 0, os.devnull, server.own_descriptors())
+        second = fork_child(lambda: 0, os.devnull, server.own_descriptors())
+        _ended(first)
+        _ended(second)
+        second_child = _engine_forker._Child(second, report=True)
+
+        def reap_the_second(code: int) -> None:
+            pidfd = next(fd for fd, child in server.children.items() if child is second_child)
+            server.reap(pidfd)
+
+        server.watch(_engine_forker._Child(first, report=False, on_end=reap_the_second))
+        server.watch(second_child)
+        os.close(requests_w)  # then the loop returns, once both ends were handled
+        server.serve()
+        replies = [json.loads(line) for line in os.read(replies_r, 65536).splitlines()]
+        assert replies == [{"exited": second, "exit_code": 0}]
+        assert server.children == {}
+    finally:
+        server.close()
+        for fd in (requests_r, replies_r, replies_w):
+            os.close(fd)

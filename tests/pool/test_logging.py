@@ -13,7 +13,7 @@ from tests.pool.conftest import record, run_script_streams
 PHASES = (
     "fsdp_interactive.pool.processes._launched: controller up in ",
     "fsdp_interactive.pool.processes._launched: 2 engines started (forked by this host pid ",
-    "fsdp_interactive.pool._rendezvous: 2 engines registered in ",
+    "fsdp_interactive.pool._registration: 2 engines registered in ",
     "fsdp_interactive.pool._rendezvous: describing engines took ",
     "fsdp_interactive.pool._rendezvous: opening the rendezvous store took ",
     "fsdp_interactive.pool._rendezvous: forming the process group took ",

@@ -24,7 +24,7 @@ def _rank_sum() -> float:
 
 
 def test_four_ranks_from_start_to_crash_to_stop(profile_dir, capsys):
-    pool = Pool(n=4, devices="cpu", profile_dir=profile_dir)
+    pool = Pool(n=4, devices="cpu", profile_dir=profile_dir, show_progress=False)
     try:
         pool.start()
         record(pool)

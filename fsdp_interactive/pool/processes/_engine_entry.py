@@ -18,6 +18,10 @@ this entry the pool starts the engines together with the controller (forked from
 Without ``--connection-file`` (engines on other hosts, forked once the controller is up)
 the connection info must already be in ``$IPP_CONNECTION_INFO``; the engine runs at once.
 
+The engine lets the process named in ``$FSDPI_TRACER_PID`` (the kernel) read its stack
+with py-spy where Yama allows only named tracers (:func:`.common._py_spy.allow_tracing_by`):
+a start that times out shows where an engine that never registered is stuck.
+
 Forked with a nanny (the forker's ``"nanny"`` requests, :mod:`._forked_nanny`), the engine
 hands that ready-made nanny its arguments at registration instead of starting one; it
 starts ipyparallel's own should that nanny be missing or fail.
@@ -38,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-from fsdp_interactive.pool.common import _socket_folder
+from fsdp_interactive.pool.common import _py_spy, _socket_folder
 from fsdp_interactive.pool.processes._forked_nanny import NannyPipes
 
 _POLL_S = 0.02
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    # Until its agent answers, the kernel reads this engine's stack with py-spy.
+    _py_spy.allow_tracing_by(_py_spy.tracer_from_environment())
     nanny = NannyPipes.from_environment()
     if args.connection_file is not None:
         try:

@@ -207,6 +207,14 @@ class _Server:
         self.children[pidfd] = child
         self.selector.register(pidfd, selectors.EVENT_READ, child)
 
+    def reap_event(self, key: selectors.SelectorKey) -> None:
+        """Reap the child whose pidfd the selector reported, unless it was reaped since
+        the selector looked: a child's end reaped from the ``SIGCHLD`` handler while an
+        earlier event of the same batch ran a warm import, whose pidfd may even have been
+        reused by a child forked since (then ``key`` names another child object)."""
+        if self.children.get(key.fd) is key.data:
+            self.reap(key.fd)
+
     def reap(self, pidfd: int) -> None:
         """Collect the ended child behind ``pidfd`` and report it."""
         child = self.children.pop(pidfd)
@@ -359,7 +367,7 @@ class _Server:
                         os.read(self.wakeup_r, 512)
                     continue
                 if key.data != "requests":
-                    self.reap(key.fd)
+                    self.reap_event(key)
                     continue
                 chunk = os.read(self.requests_fd, 65536)
                 if not chunk:
@@ -390,7 +398,7 @@ class _Server:
             deadline = time.monotonic() + grace
             while self.children and time.monotonic() < deadline:
                 for key, _ in self.selector.select(max(0.0, deadline - time.monotonic())):
-                    self.reap(key.fd)
+                    self.reap_event(key)
             if not self.children:
                 return
 

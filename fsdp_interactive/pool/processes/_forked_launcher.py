@@ -17,7 +17,9 @@ Contract, as for ipyparallel's local launchers:
   their pids instead and their exit codes are then unknown (``None``);
 * stopping the set stops its engines; the forker is ended by whoever started it
   (:meth:`EngineForker.close`, which also ends what it forked and removes its snapshot
-  root).
+  root);
+* ``start_replacement(identifier)`` forks one engine more, in place of one that ended or
+  never registered (a start retries such an engine once: :mod:`pool._registration`).
 
 :class:`EngineForker` is the kernel's handle on a forker on this host or, given an ssh
 command, on another (:mod:`._ssh_forked_launcher`). Linux only (``os.fork`` and ``os.pidfd_open``); :func:`forking_supported` says whether
@@ -42,14 +44,17 @@ from typing import Any
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import Instance, Unicode
+from traitlets import Dict, Instance, Unicode
 
 from fsdp_interactive import _private_files
+from fsdp_interactive.pool.common import _py_spy
 from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
 
 log = logging.getLogger(__name__)
 
 _FORKER_MODULE = "fsdp_interactive.pool.processes._engine_forker"
+#: What a replacement engine's identifier adds to the one it replaces ("3" -> "3-retry").
+REPLACEMENT_SUFFIX = "-retry"
 _STOP_WAIT_S = 5.0
 
 
@@ -367,6 +372,7 @@ class ForkedEngineLauncher(LocalEngineLauncher):
             raise RuntimeError(f"engine {self.identifier} was already started ({self.state})")
         env = os.environ.copy()
         env.update(self.get_env())
+        env[_py_spy.TRACER_ENV] = str(os.getpid())  # this kernel may read its stack
         self.loop  # noqa: B018 - bind the launcher's IOLoop on this (the loop's) thread
         self._exited_event = threading.Event()
         try:
@@ -418,6 +424,9 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     forker = Instance(EngineForker, allow_none=True)
     #: Where the engines' logs go ("": the profile's ``log`` folder).
     log_dir = Unicode("")
+    #: Every engine launcher this set made, by identifier, ended ones too (``launchers``
+    #: forgets an engine as it ends, possibly before anyone looked at it).
+    made = Dict()
 
     @property
     def forker_pid(self) -> int | None:
@@ -425,30 +434,41 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     async def start(self, n: int) -> list[int]:  # type: ignore[override]
         """Start ``n`` engines; their pids."""
-        if self.forker is None or not self.forker.running():
-            raise ForkerError("ForkedEngineSetLauncher needs forker=<a running EngineForker>")
+        self._check_forker()
         self.n = n
-        log_dir = self.log_dir or os.path.join(self.profile_dir, "log")
-        os.makedirs(log_dir, exist_ok=True)
-        engines = []
-        for i in range(n):
-            identifier = str(i)
-            engine = self.launchers[identifier] = self.launcher_class(
-                work_dir=self.work_dir,
-                parent=self,
-                log=self.log,
-                profile_dir=self.profile_dir,
-                cluster_id=self.cluster_id,
-                environment=self.environment,
-                identifier=identifier,
-                output_file=os.path.join(
-                    log_dir, f"ipengine-{self.cluster_id}-{self.engine_set_id}-{i}.log"
-                ),
-            )
-            engine.engine_cmd = copy.deepcopy(self.engine_cmd)
-            engine.engine_args = copy.deepcopy(self.engine_args)
-            engine.on_stop(self._notice_engine_stopped)
-            engines.append(engine)
+        engines = [self._new_launcher(str(i)) for i in range(n)]
         pids = list(await asyncio.gather(*(e.start_forked(self.forker) for e in engines)))
         self.notify_start(pids)
         return pids
+
+    async def start_replacement(self, identifier: str) -> tuple[str, int]:
+        """Fork one more engine in place of engine ``identifier`` (one that ended, or that
+        the caller gave up on and ends itself); ``(its identifier, its pid)``."""
+        self._check_forker()
+        engine = self._new_launcher(f"{identifier}{REPLACEMENT_SUFFIX}")
+        return engine.identifier, await engine.start_forked(self.forker)
+
+    def _check_forker(self) -> None:
+        if self.forker is None or not self.forker.running():
+            raise ForkerError("ForkedEngineSetLauncher needs forker=<a running EngineForker>")
+
+    def _new_launcher(self, identifier: str) -> ForkedEngineLauncher:
+        log_dir = self.log_dir or os.path.join(self.profile_dir, "log")
+        os.makedirs(log_dir, exist_ok=True)
+        engine = self.launchers[identifier] = self.launcher_class(
+            work_dir=self.work_dir,
+            parent=self,
+            log=self.log,
+            profile_dir=self.profile_dir,
+            cluster_id=self.cluster_id,
+            environment=self.environment,
+            identifier=identifier,
+            output_file=os.path.join(
+                log_dir, f"ipengine-{self.cluster_id}-{self.engine_set_id}-{identifier}.log"
+            ),
+        )
+        engine.engine_cmd = copy.deepcopy(self.engine_cmd)
+        engine.engine_args = copy.deepcopy(self.engine_args)
+        engine.on_stop(self._notice_engine_stopped)
+        self.made[identifier] = engine
+        return engine

@@ -42,7 +42,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from fsdp_interactive.pool.errors import PoolStartError
 from fsdp_interactive.pool.processes import _channels, _launch_watch, _ssh_check
 from fsdp_interactive.pool.processes._channels import Channels
 from fsdp_interactive.pool.processes._engine_entry import engine_command
+from fsdp_interactive.pool.processes._engine_report import EngineReport, engine_report
 from fsdp_interactive.pool.processes._host_forkers import HostForkers
 from fsdp_interactive.pool.processes._loop import LoopThread
 from fsdp_interactive.pool.processes._pids import end_processes, is_running, start_time
@@ -229,6 +230,7 @@ class LaunchedProcesses:
         self._loop: LoopThread | None = None
         self._launchers: dict[int, Any] = {}
         self._aliases: dict[int, int] = {}  # a rank's pid -> its parent's (the launcher's)
+        self._retired: set[int] = set()  # launchers (by id) of engines given up on, replaced
         self._forkers = HostForkers(snapshot_root)
         self._reaper: Any = None
         self._state_dir: str | None = None  # the reaper's pid file; lives until stop()
@@ -242,11 +244,13 @@ class LaunchedProcesses:
         engines: str,
         cluster_kwargs: Mapping[str, Any],
         timeout: float,
+        on_controller_up: Callable[[float], None] | None = None,
     ) -> Any:
         """Start a controller and ``n`` engines; return a connected ``ipyparallel.Client``.
 
-        The engines may not have registered yet. Raises :class:`PoolStartError` when the
-        cluster does not start; :meth:`stop` then ends what did start.
+        The engines may not have registered yet. ``on_controller_up(seconds)`` is called
+        on the calling thread once the controller is up. Raises :class:`PoolStartError`
+        when the cluster does not start; :meth:`stop` then ends what did start.
         """
         import ipyparallel as ipp
 
@@ -292,6 +296,8 @@ class LaunchedProcesses:
         def cluster_id() -> str:
             return str(self.cluster.cluster_id)
 
+        controller_up: list[float] = []  # seconds it took, once it is up
+
         async def start() -> None:
             began = time.monotonic()
             self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
@@ -318,7 +324,8 @@ class LaunchedProcesses:
                     None, self._check_ssh_hosts, kwargs.get("config"), started
                 )
             await self.cluster.start_controller(**self._controller_kwargs(channels, log_dir))
-            log.debug("controller up in %.2fs", time.monotonic() - began)
+            controller_up.append(time.monotonic() - began)
+            log.debug("controller up in %.2fs", controller_up[0])
             if checked is not None:
                 await checked
             began = time.monotonic()
@@ -334,14 +341,21 @@ class LaunchedProcesses:
             log.debug("%d engines started (%s) in %.2fs", n, how, time.monotonic() - began)
 
         try:
-            self._loop.run(start, timeout=timeout)
+            self._loop.run(start, timeout=timeout, poll=_call_once(controller_up, on_controller_up))
         except PoolStartError:
             raise  # says what to fix already
         except Exception as exc:
             raise PoolStartError(f"could not launch the cluster: {exc}") from exc
         finally:
             self.record()
-        return self._loop.run(self.cluster.connect_client, timeout=timeout)
+        return self.connect_client(timeout)
+
+    def connect_client(self, timeout: float) -> Any:
+        """A new ``ipyparallel.Client`` of the current cluster: its connection reply names
+        every engine registered by then (raises ``TimeoutError`` after ``timeout`` s)."""
+        assert self._loop is not None and self.cluster is not None, "nothing was launched"
+        cluster = self.cluster
+        return self._loop.run(lambda: cluster.connect_client(timeout=timeout), timeout=timeout)
 
     def _check_ssh_hosts(self, config: Any, only: set[str] | None = None) -> None:
         """Refuse (:class:`PoolStartError`) ssh hosts that do not answer with our versions
@@ -461,9 +475,10 @@ class LaunchedProcesses:
         for engine_set in cluster.engines.values():
             if not is_remote(engine_set) and getattr(engine_set, "pid", -1) > 0:
                 found.append(engine_set.pid)  # mpiexec: one local process for all engines
-            for launcher in getattr(engine_set, "launchers", {}).values():
+            for launcher in _set_launchers(engine_set):
                 if getattr(launcher, "pid", -1) > 0:
-                    self._launchers[launcher.pid] = launcher
+                    if id(launcher) not in self._retired:
+                        self._launchers[launcher.pid] = launcher
                     # A remote engine's pid is not a process here: never record it.
                     if not is_remote(launcher):
                         found.append(launcher.pid)
@@ -562,6 +577,95 @@ class LaunchedProcesses:
         """Engines of the current cluster that no longer run."""
         return [engine for engine in self.engines() if not engine.alive()]
 
+    def engine_launchers(self) -> list[Any]:
+        """Every engine launcher of the current cluster that starts one engine: started,
+        ended or not started yet (a set that starts all its engines at once, ``mpiexec``
+        or a batch job, has none); engines replaced by a retry are left out."""
+        if self.cluster is None:
+            return []
+        found: dict[int, Any] = {}
+        for engine_set in list(self.cluster.engines.values()):
+            for launcher in _set_launchers(engine_set):
+                found[id(launcher)] = launcher
+        for launcher in self._launchers.values():  # ended ones leave their set's list
+            found[id(launcher)] = launcher
+        return [launcher for key, launcher in found.items() if key not in self._retired]
+
+    def unregistered(
+        self, registered: set[int], *, full: int | None = None
+    ) -> list[tuple[Any, EngineReport]]:
+        """Each engine whose pid is not in ``registered`` (the pids the registered engines
+        gave, and their parents'), with its report (:mod:`._engine_report`: running,
+        ended or never started), in launch order; ``full``: only the first so many
+        reports read stacks and logs (``None``: all)."""
+        missing = [
+            launcher
+            for launcher in self.engine_launchers()
+            if getattr(launcher, "pid", None) not in registered
+        ]
+        missing.sort(key=lambda launcher: _launch_order(str(getattr(launcher, "identifier", ""))))
+        return [
+            (launcher, self.report(launcher, full=full is None or i < full))
+            for i, launcher in enumerate(missing)
+        ]
+
+    def report(self, launcher: Any, *, full: bool = True) -> EngineReport:
+        """What can be told of the engine of ``launcher`` from outside it (see
+        :func:`._engine_report.engine_report`)."""
+        started = getattr(launcher, "state", "") != "before"
+        engine = EngineProcess(launcher, self.pids.get(getattr(launcher, "pid", 0) or 0))
+        alive = started and engine.alive()
+        if not started or alive:
+            return engine_report(launcher, alive=alive, full=full)
+        # Its status and its output's end as the launcher tells them (a crash report kept
+        # from its first line), also for engines on other hosts.
+        return engine_report(
+            launcher,
+            alive=False,
+            exit_code=engine.exit_code(),
+            last_output=engine.output_tail() if full else None,
+            full=full,
+        )
+
+    def can_replace(self, launcher: Any) -> bool:
+        """Whether the engine of ``launcher`` can be started once more on its own (its set
+        forks engines one by one: the pool's local and ssh forked engines)."""
+        return self._set_of(launcher) is not None
+
+    def replace_engine(self, launcher: Any, timeout: float) -> Any:
+        """End the engine of ``launcher`` (SIGKILL, if it runs) and start one in its place;
+        the new engine's launcher. Its end is no failure of the start any more (it is
+        still ended by pid when the pool stops). Raises :class:`PoolStartError` when the
+        new one cannot be started."""
+        engine_set = self._set_of(launcher)
+        if engine_set is None or self._loop is None:
+            raise PoolStartError(f"engine {launcher.identifier} cannot be started on its own")
+        self._retired.add(id(launcher))
+        pid = getattr(launcher, "pid", None)
+        if isinstance(pid, int) and pid > 0:
+            self._launchers.pop(pid, None)
+            if getattr(launcher, "state", "") == "running":
+                EngineProcess(launcher, self.pids.get(pid)).signal(signal.SIGKILL)
+        identifier = str(launcher.identifier)
+        try:
+            key, new_pid = self._loop.run(
+                lambda: engine_set.start_replacement(identifier), timeout=timeout
+            )
+        except Exception as exc:
+            raise PoolStartError(f"engine {identifier} could not be started again: {exc}") from exc
+        self.record()
+        log.debug("engine %s replaced by %s (pid %s)", identifier, key, new_pid)
+        return engine_set.launchers[key]
+
+    def _set_of(self, launcher: Any) -> Any:
+        """The engine set that started ``launcher``, if it can start one engine more."""
+        if self.cluster is None:
+            return None
+        for engine_set in list(self.cluster.engines.values()):
+            if hasattr(engine_set, "start_replacement") and launcher.parent is engine_set:
+                return engine_set
+        return None
+
     def kill_engines(self) -> None:
         """SIGKILL every engine of the current cluster through its launcher.
 
@@ -621,6 +725,7 @@ class LaunchedProcesses:
         self.cluster = self._loop = None
         self._launchers = {}
         self._aliases = {}
+        self._retired = set()
 
     def _stop_reaper(self) -> None:
         """End the orphan reaper through the handle that started it; remove its pid file."""
@@ -637,6 +742,38 @@ class LaunchedProcesses:
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             self._state_dir = None
+
+
+def _call_once(
+    values: list[float], callback: Callable[[float], None] | None
+) -> Callable[[], None] | None:
+    """A poll that calls ``callback(values[0])`` once, as soon as ``values`` has one."""
+    if callback is None:
+        return None
+    done: list[bool] = []
+
+    def poll() -> None:
+        if values and not done:
+            done.append(True)
+            callback(values[0])
+
+    return poll
+
+
+def _set_launchers(engine_set: Any) -> list[Any]:
+    """The engine launchers of ``engine_set``: those it lists, and, for the pool's forked
+    sets, every one it made (an engine that ended at once leaves ``launchers`` before the
+    pool records it; it must still be found, to tell of it or retry it)."""
+    # Copied at once: the loop thread changes these while engines start and end.
+    listed = list(getattr(engine_set, "launchers", {}).values())
+    made = list(getattr(engine_set, "made", {}).values())
+    return list({id(launcher): launcher for launcher in [*listed, *made]}.values())
+
+
+def _launch_order(index: str) -> tuple[int, str]:
+    """Sort key of engine identifiers ("0", "3-retry", "host/1") in launch order."""
+    head = index.rsplit("/", 1)[-1].split("-", 1)[0]
+    return (int(head) if head.isdigit() else 1 << 30, index)
 
 
 def _with_engine_parent(engines: str) -> Any:

@@ -13,11 +13,15 @@ Not done here: nothing is cancelled on timeout; the caller decides what to stop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+#: Seconds between two calls of a ``run``'s ``poll``.
+POLL_S = 0.05
 
 
 class LoopThread:
@@ -35,19 +39,40 @@ class LoopThread:
         self._loop.call_soon(self._started.set)
         self._loop.run_forever()
 
-    def run(self, make_coro: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+    def run(
+        self,
+        make_coro: Callable[[], Awaitable[T]],
+        timeout: float | None = None,
+        *,
+        poll: Callable[[], None] | None = None,
+    ) -> T:
         """Run ``make_coro()`` on the loop thread and wait for its result.
 
         ``make_coro`` is called on the loop thread, so objects it creates (launchers)
         see this loop as the current one. Raises ``TimeoutError`` after ``timeout``
         seconds (the coroutine keeps running) and re-raises the coroutine's exception.
+        ``poll()``, when given, is called on the waiting thread every
+        :data:`POLL_S` seconds while the coroutine runs (to show its progress there).
         """
 
         async def wrapper() -> Any:
             return await make_coro()
 
         future = asyncio.run_coroutine_threadsafe(wrapper(), self._loop)
-        return future.result(timeout)
+        if poll is None:
+            return future.result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            poll()
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            try:
+                result = future.result(max(left, 0.0))
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                continue
+            poll()
+            return result
 
     def close(self) -> None:
         """Stop the loop and join the thread; idempotent."""

@@ -25,7 +25,9 @@ Contract, as for the pool's local forked engines (:mod:`._forked_launcher`):
   the engine through the forker;
 * stopping the set stops its engines; the forkers are ended by whoever started them
   (closing one ends what it forked and removes its host's snapshot root, which it created
-  as it started).
+  as it started);
+* ``start_replacement(key)`` forks one engine more on that engine's host, in its place in
+  the ranks' order (a start retries an engine that ended or never registered once).
 
 Not done: hosts without ``os.pidfd_open`` (Linux 5.3+, Python 3.9+), password prompts
 (ssh runs with ``BatchMode=yes``), a forker per host for SLURM or MPI (their launchers
@@ -51,6 +53,7 @@ from traitlets import Dict, Integer, List, Unicode
 from fsdp_interactive.pool.common._topology import LAUNCH_ORDER_ENV
 from fsdp_interactive.pool.processes._engine_entry import remote_engine_command
 from fsdp_interactive.pool.processes._forked_launcher import (
+    REPLACEMENT_SUFFIX,
     EngineForker,
     ForkerError,
     forker_command,
@@ -284,6 +287,11 @@ class SSHForkedEngineSetLauncher(SSHEngineSetLauncher):
     launcher_class = RemoteForkedEngineLauncher
     forkers = Dict(help="host key -> the EngineForker running on that host")
     hosts = List(help="the SSHHost plan of this set (plan_hosts)")
+    #: Engine key -> (its host, its place in the ranks' order, its name in file names).
+    _placed = Dict()
+    #: Every engine launcher this set made, by key, ended ones too (``launchers`` forgets
+    #: an engine as it ends, possibly before anyone looked at it).
+    made = Dict()
 
     async def start(self, n: int) -> list[str]:  # type: ignore[override]
         """Fork ``n`` engines on the hosts; their keys (``host/index``)."""
@@ -296,38 +304,56 @@ class SSHForkedEngineSetLauncher(SSHEngineSetLauncher):
         started = []
         for host in hosts:
             for i in range(host.n):
-                key = f"{host.key}/{i}"
                 # Forked on all hosts at once, the engines register in any order: the
                 # ranks follow this one (the hosts' order in the engines setting).
-                environment = {
-                    **copy.deepcopy(self.environment),
-                    LAUNCH_ORDER_ENV: str(len(started)),
-                }
-                engine = self.launchers[key] = RemoteForkedEngineLauncher(
-                    parent=self,
-                    log=self.log,
-                    profile_dir=self.profile_dir,
-                    cluster_id=self.cluster_id,
-                    engine_set_id=self.engine_set_id,
-                    environment=environment,
-                    identifier=key,
-                    host=host.key,
-                    remote_profile_dir=host.profile_dir,
-                    output_file=posixpath.join(
-                        host.profile_dir,
-                        "log",
-                        f"ipengine-{self.cluster_id}-{self.engine_set_id}-{host.file_name}-{i}.log",
-                    ),
-                )
-                engine.engine_cmd = remote_engine_command(host.python)
-                engine.engine_args = copy.deepcopy(self.engine_args)
-                engine.on_stop(self._notice_engine_stopped)
+                engine = self._new_launcher(f"{host.key}/{i}", host, len(started), str(i))
                 started.append(engine.start_on(self.forkers[host.key]))
         self.n = len(started)
         await asyncio.gather(*started)
         keys = list(self.launchers)
         self.notify_start(keys)
         return keys
+
+    async def start_replacement(self, identifier: str) -> tuple[str, int]:
+        """Fork one more engine on the host of engine ``identifier``, in its place in the
+        ranks' order (it ended, or the caller gave up on it and ends it); ``(its key, its
+        pid there)``."""
+        host, order, name = self._placed[identifier]
+        forker = self.forkers.get(host.key)
+        if forker is None or not forker.running():
+            raise ForkerError(f"no running engine forker for the host {host.key}")
+        suffixed = f"{name}{REPLACEMENT_SUFFIX}"
+        engine = self._new_launcher(f"{host.key}/{suffixed}", host, order, suffixed)
+        return engine.identifier, await engine.start_on(forker)
+
+    def _new_launcher(
+        self, key: str, host: SSHHost, order: int, name: str
+    ) -> RemoteForkedEngineLauncher:
+        """The launcher of engine ``key`` on ``host``, ``order``-th in the ranks' order
+        (``name``: its part of the output file's name)."""
+        self._placed[key] = (host, order, name)
+        environment = {**copy.deepcopy(self.environment), LAUNCH_ORDER_ENV: str(order)}
+        engine = self.launchers[key] = RemoteForkedEngineLauncher(
+            parent=self,
+            log=self.log,
+            profile_dir=self.profile_dir,
+            cluster_id=self.cluster_id,
+            engine_set_id=self.engine_set_id,
+            environment=environment,
+            identifier=key,
+            host=host.key,
+            remote_profile_dir=host.profile_dir,
+            output_file=posixpath.join(
+                host.profile_dir,
+                "log",
+                f"ipengine-{self.cluster_id}-{self.engine_set_id}-{host.file_name}-{name}.log",
+            ),
+        )
+        engine.engine_cmd = remote_engine_command(host.python)
+        engine.engine_args = copy.deepcopy(self.engine_args)
+        engine.on_stop(self._notice_engine_stopped)
+        self.made[key] = engine
+        return engine
 
     def find_args(self) -> list[str]:
         return ["engine forkers over ssh"]

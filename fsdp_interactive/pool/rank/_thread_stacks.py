@@ -18,13 +18,13 @@ from __future__ import annotations
 import linecache
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fsdp_interactive.pool.common import _py_spy
 from fsdp_interactive.pool.common._stacks import Frame
 
 #: ``code_name(filename)``: the label of a notebook cell's code ("Cell In[15]"), else None.
@@ -82,14 +82,6 @@ def capture(user_thread: int | None, code_name: CodeName | None = None) -> list[
     return stacks
 
 
-def py_spy() -> str | None:
-    """The py-spy executable next to this interpreter, else on ``PATH``."""
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("py-spy")
-
-
 def native_stack(native_id: int | None) -> tuple[str | None, str | None]:
     """``(text, None)``: py-spy's dump (with native frames) of the thread ``native_id`` of
     this process; ``(None, reason)`` when it cannot be had.
@@ -99,9 +91,9 @@ def native_stack(native_id: int | None) -> tuple[str | None, str | None]:
     with ``CAP_SYS_PTRACE``. Under ``ptrace_scope=1`` the rank allows its py-spy child
     explicitly (``PR_SET_PTRACER``) for the duration of the dump.
     """
-    executable = py_spy()
+    executable = _py_spy.executable()
     if executable is None:
-        return None, "py-spy is not installed on this host (pip install 'fsdp-interactive[native]')"
+        return None, f"py-spy is not installed on this host ({_py_spy.INSTALL_HINT})"
     command = [executable, "dump", "--pid", str(os.getpid()), "--native"]
     with _ptracer_allowed():
         try:
@@ -111,11 +103,7 @@ def native_stack(native_id: int | None) -> tuple[str | None, str | None]:
         except (OSError, subprocess.TimeoutExpired) as error:
             return None, f"py-spy failed: {error}"
     if done.returncode != 0:
-        reason = (done.stderr or done.stdout).strip().splitlines()
-        hint = ""
-        if any("ermission" in line for line in reason):
-            hint = " (ptrace not permitted: see kernel.yama.ptrace_scope / CAP_SYS_PTRACE)"
-        return None, f"py-spy exited with {done.returncode}: {reason[-1] if reason else ''}{hint}"
+        return None, _py_spy.failure_reason(done.returncode, done.stderr or done.stdout)
     return _thread_block(_ANSI.sub("", done.stdout), native_id), None
 
 
@@ -136,30 +124,9 @@ def _thread_block(dump: str, native_id: int | None) -> str:
 class _ptracer_allowed:
     """Under Yama's ``ptrace_scope=1``, let any process trace this one while inside."""
 
-    _PR_SET_PTRACER = 0x59616D61
-    _ANY = -1
-
     def __enter__(self) -> None:
-        self._set = _yama_scope() == 1 and _prctl(self._PR_SET_PTRACER, self._ANY)
+        self._set = _py_spy.yama_scope() == 1 and _py_spy.set_ptracer(-1)
 
     def __exit__(self, *exc: object) -> None:
         if self._set:
-            _prctl(self._PR_SET_PTRACER, 0)
-
-
-def _yama_scope() -> int | None:
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, ctypes.c_ulong(value & 0xFFFFFFFFFFFFFFFF), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+            _py_spy.set_ptracer(0)
