@@ -49,6 +49,8 @@ LAYERS: dict[str, int] = {
     "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
     # a snapshot's checksums taken ahead of a restore: engine forker and ranks
     "_prechecked": 1,
+    # an attachable job's records (run with -m over ssh: the standard library only)
+    "_attach_records": 1,
     # the user's checkpoint key (sealed disk checkpoints): ranks, and the kernel for a pool
     "_owner_key": 1,
     # whether another user could change a path: checkpoints, the pool's socket folder
@@ -68,6 +70,7 @@ LAYERS: dict[str, int] = {
     "notebook": 5,
     # entry points
     "demo": 6,
+    "attachable": 6,  # a training job's ranks made attachable (rank side)
     "cli": 7,
     "__init__": 8,
     "__main__": 8,
@@ -88,6 +91,8 @@ RANK_SIDE = (
     "_lazy_exports",
     "_checksums",
     "_prechecked",
+    "_attach_records",
+    "attachable",
     "_owner_key",
     "_path_trust",
 )

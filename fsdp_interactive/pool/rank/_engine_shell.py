@@ -84,8 +84,8 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
 
     ``spec["agent"]``: ``{"host": address to bind, or the socket folder to listen in,
     "nonce": hex, "end_with_owner": bool}`` (see :class:`._agent.RankAgent`). The record
-    of :func:`._bootstrap.join_group` comes back with ``agent`` (``[host, port]``, ``[path,
-    0]`` for a unix socket).
+    of :func:`._bootstrap.join_group` comes back with ``agent`` (``(host, port)``, or the
+    path of a unix socket).
     """
     shell = _shell()
     agent = spec["agent"]
@@ -103,7 +103,7 @@ def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
     _notices.set_judge(_judge_names)
     _debugger.forget()
     record = _bootstrap.join_group(spec)
-    record["agent"] = list(address)
+    record["agent"] = address
     return record
 
 
