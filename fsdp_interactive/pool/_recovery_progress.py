@@ -4,8 +4,8 @@ A recovery takes seconds (a minute on a loaded machine): ending the old group, s
 fresh one, finding the snapshots, replaying each cell, loading the snapshot. The phase
 under way is one line, rewritten as the recovery moves on, where a pool start shows its
 phases (:func:`._start_progress.phase_line`): a display updated in place in a Jupyter
-kernel, the last line of stdout rewritten with a carriage return elsewhere; it ends
-showing how the recovery ended. Each finished step is an ordinary line of stdout
+kernel, the last line of stderr rewritten with a carriage return on a terminal (only the
+ending line on a file or a pipe); it ends showing how the recovery ended. Each finished step is an ordinary line of stdout
 (``recovery: replayed In[2] in 0.41 s``). With ``IPP_NONINTERACTIVE`` set (a batch run)
 the phases are not shown; the finished steps are.
 

@@ -6,9 +6,11 @@ forming, then formed. One line shows the phase and is rewritten as the start mov
 
 * in a Jupyter kernel, a ``text/plain`` display updated in place by its display id (what
   a saved notebook keeps is its last update: the summary line);
-* elsewhere (a terminal, a script), the last line of stdout, rewritten with a carriage
-  return (:class:`fsdp_interactive._status_line.StatusLines`); when the pool shows its
-  log records, which come on stderr between the phases, each phase is a line of its own.
+* elsewhere, on stderr, where progress goes (stdout stays the program's own output, which
+  a script's reader may parse): on a terminal, the last line, rewritten with a carriage
+  return (:class:`fsdp_interactive._status_line.StatusLines`), or, when the pool shows its
+  log records between the phases, one line per phase; on a file or a pipe (a log), only
+  the line the start ends with.
 
 It ends as one line with each phase's duration, or, for a start that fails, the phase it
 reached. A notice (an engine started once more, an insecure channel) is an ordinary line
@@ -53,29 +55,37 @@ class _Surface(Protocol):
 
 
 class _TextLine:
-    """The line on a text stream: rewritten in place (``moving``) or one line per phase."""
+    """The line on a text stream (default: the current ``sys.stderr``): on a terminal,
+    rewritten in place (``moving``) or one line per phase; on a file or a pipe, only the
+    ending line (a carriage return per phase would fill a log)."""
 
     def __init__(self, stream: TextIO | None, moving: bool) -> None:
         self._stream = stream
         self._moving = moving
         self._status = StatusLines(self._out)
 
-    def _out(self, name: str = "stdout") -> TextIO:
-        if self._stream is not None:
-            return self._stream
+    def _out(self, name: str = "line") -> TextIO:
+        if name == "line":
+            return self._stream if self._stream is not None else sys.stderr
         return sys.stderr if name == "stderr" else sys.stdout
 
+    def _terminal(self) -> bool:
+        isatty = getattr(self._out(), "isatty", None)
+        return bool(isatty is not None and isatty())
+
     def show(self, text: str) -> None:
+        if not self._terminal():
+            return
         if self._moving:
-            self._status.update(_KEY, "stdout", text)
+            self._status.update(_KEY, "line", text)
         else:
-            self._status.write("stdout", text + "\n")
+            self._status.write("line", text + "\n")
 
     def end(self, text: str) -> None:
-        if self._moving:
-            self._status.end(_KEY, "stdout", text)
+        if self._moving and self._terminal():
+            self._status.end(_KEY, "line", text)
         else:
-            self._status.write("stdout", text + "\n")
+            self._status.write("line", text + "\n")
 
     def notice(self, text: str, stream: str) -> None:
         self._status.write(stream, text + "\n")
@@ -110,7 +120,7 @@ class StartProgress:
     ``what``: the ranks being started ("4 CPU ranks"); ``shown``: ``False`` shows no phase
     (notices still are); ``moving``: outside a kernel, one line rewritten in place (else
     one line per phase); ``stream``: the text stream to write to (default: a display in a
-    kernel, the current ``sys.stdout`` elsewhere).
+    kernel, the current ``sys.stderr`` elsewhere).
     """
 
     def __init__(
@@ -188,8 +198,8 @@ class StartProgress:
 
 def phase_line(stream: TextIO | None = None, moving: bool = True) -> _Surface:
     """Where a line of phases is shown (a start's, a recovery's): a display updated in
-    place in a Jupyter kernel, else the last line of ``stream`` (default: the current
-    ``sys.stdout``), rewritten in place (``moving``) or one line per phase."""
+    place in a Jupyter kernel, else ``stream`` (default: the current ``sys.stderr``), as
+    :class:`_TextLine` draws it."""
     return _KernelDisplay() if stream is None and _in_kernel() else _TextLine(stream, moving)
 
 

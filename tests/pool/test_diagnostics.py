@@ -15,11 +15,9 @@ import pytest
 from fsdp_interactive.pool import Pool, PoolError, RankError, RankTimeout
 from tests.pool.conftest import record
 
-SNAPSHOT = (
-    "import torch, fsdp_interactive\n"
-    "tiny = torch.nn.Linear(2, 2)\n"
-    "fsdp_interactive.snapshot(model=tiny)\n"
-)
+# The model is bound in a call before the snapshot's: the one a recovery replays.
+BUILD = "import torch, fsdp_interactive\ntiny = torch.nn.Linear(2, 2)\n"
+SNAPSHOT = "fsdp_interactive.snapshot(model=tiny)\n"
 ONE_SIDED = "import time\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(120)\n"
 
 
@@ -170,6 +168,7 @@ def test_breakpoint_commands_run_unattended_and_bad_ranks_are_refused(pool: Pool
 def test_interrupt_says_a_rank_blocked_in_a_collective_needs_a_restart(pool: Pool):
     # With a snapshot taken, the advice names the recovery too (without one, only a restart:
     # tests/notebook/test_debugging_shell.py).
+    pool.run(BUILD, stream=False)
     pool.run(SNAPSHOT, stream=False)
     with pytest.raises(RankTimeout):
         pool.run(ONE_SIDED, timeout=2, stream=False)

@@ -1,6 +1,7 @@
 """What a start shows while it runs, written to a terminal-like stream that stamps each
 write with its time: the first line right after the call, then the phases in order, on
-one line rewritten in place, ending as the summary line; and the warning for more CPU
+one line of stderr rewritten in place, ending as the summary line (on a pipe: only the
+summary line, and stdout untouched); and the warning for more CPU
 ranks than cores, which does not stop the start."""
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _first_at(writes: list[tuple[float, str]], text: str) -> int:
 @pytest.mark.timing
 def test_a_start_shows_its_phases_from_its_first_second_in_order(pool: Pool, monkeypatch):
     stream = StampedStream()
-    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "stderr", stream)
     called = time.monotonic()
     pool.restart()
     writes = stream.writes
