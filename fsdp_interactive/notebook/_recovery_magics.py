@@ -19,7 +19,7 @@ from fsdp_interactive.notebook._magic_io import (
     pool_failures,
     shown_message,
 )
-from fsdp_interactive.notebook._snapshot_calls import (
+from fsdp_interactive.notebook._snapshot_taking import (
     SnapshotCallFailed,
     persist_snapshot,
     take_snapshot,

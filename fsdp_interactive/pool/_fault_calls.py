@@ -15,10 +15,10 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fsdp_interactive.pool._pool_state import PoolHealth, PoolState
 from fsdp_interactive.pool._recovery import RecoveryPlan, RecoveryReport, execute, make_plan
 from fsdp_interactive.pool._recovery_progress import RecoveryProgress
 from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
-from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.errors import START, PoolNotRunning, RecoveryError
 
 if TYPE_CHECKING:

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from fsdp_interactive.pool._journal import JournalEntry, outcome_of
+from fsdp_interactive.pool._pool_state import PoolHealth, PoolState
 from fsdp_interactive.pool._recovery import execute, make_plan
 from fsdp_interactive.pool._recovery_progress import RecoveryProgress
-from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.errors import (
     RECOVER,
     Advised,

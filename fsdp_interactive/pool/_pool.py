@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_interactive import _owner_key
+from fsdp_interactive.checkpoint._format import _owner_key
 from fsdp_interactive.pool import _cell_imports, _export, _script_calls, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._debugging import DebuggingCalls
@@ -52,10 +52,10 @@ from fsdp_interactive.pool._live_group import LiveGroup
 from fsdp_interactive.pool._options import check_options, flight_recorder_entries
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
 from fsdp_interactive.pool._placement import check_request, oversubscription, plan
+from fsdp_interactive.pool._pool_state import PoolState
 from fsdp_interactive.pool._rendezvous import Rendezvous, connect_client
 from fsdp_interactive.pool._snapshots import SnapshotBook
 from fsdp_interactive.pool._start_progress import StartProgress, describe_ranks
-from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
 from fsdp_interactive.pool.diagnostics._hang_watch import DEFAULT_AFTER_S as DEFAULT_HANG_NOTICE_S
@@ -68,7 +68,7 @@ from fsdp_interactive.pool.errors import (
 )
 from fsdp_interactive.pool.processes._channels import INSECURE_NOTE, check_connected_channels
 from fsdp_interactive.pool.processes._launched import BROKEN_STOP_TIMEOUT_S, LaunchedProcesses
-from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_calls
+from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_functions
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +459,7 @@ class Pool(FaultCalls, DebuggingCalls):
         self._faults.finish_cleanup()
         if self.running:
             try:
-                self.call(_snapshot_calls.drop_here, timeout=30)
+                self.call(_snapshot_functions.drop_here, timeout=30)
             except Exception as error:  # the forkers and the lines below still free them
                 log.debug("the ranks could not free their hosts' snapshots: %s", error)
         self._faults.finish_cleanup()  # a rank found dead just now: its teardown first

@@ -12,8 +12,8 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
    killed); the host's engine forkers and the snapshots in host memory stay. Each host's
    forker first starts hashing its copy of the planned snapshot in a child
-   (:mod:`fsdp_interactive._prechecked`), with the CPU time that ending and starting
-   the group leave idle; the restore then hashes only the files it did not record (a
+   (:mod:`fsdp_interactive.checkpoint._format._prechecked`), with the CPU time that ending and
+   starting the group leave idle; the restore then hashes only the files it did not record (a
    precheck that dies, or a file changed since, costs the restore's own check, no more).
 3. **start**: a fresh group on the same placement (or the reduced one).
 4. **find**: the new ranks list the snapshots their hosts hold; the newest is taken when
@@ -67,7 +67,7 @@ from fsdp_interactive.pool._script_record import replay_refusal
 from fsdp_interactive.pool._slice import Part, ReplaySlice, beside, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
-from fsdp_interactive.pool.rank._snapshot_calls import restore_here
+from fsdp_interactive.pool.rank._snapshot_functions import restore_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
