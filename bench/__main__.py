@@ -40,6 +40,7 @@ FIGURES: tuple[str, ...] = (
     "debug_cost",
     "state_scaling",
     "hang_watch",
+    "attach",
 )
 #: Figures too long for every run (minutes of GPT-2 small or torchrun launches on fresh
 #: processes each): run by ``--only recovery --merge`` (or ``snapshot_cost``,

@@ -11,6 +11,10 @@ The top-level names are imported lazily so that ``import fsdp_interactive`` (and
   next line (the others wait) and debug it from the notebook's input box.
 * ``snapshot(model=..., optimizer=..., **stateful)``: on the ranks, keep the training
   state in host memory (:mod:`fsdp_interactive.checkpoint`), to recover from a fault.
+* ``attachable()``: in a training script, make this rank reachable from a notebook
+  (:mod:`fsdp_interactive.attachable`; or run the script under
+  ``-m fsdp_interactive.attachable``), and ``attach(...)``: in the notebook, attach to
+  such a running job (an ``AttachedJob``, driven like a pool).
 * ``job``: what a script exported from a notebook session (``%fsdp export``) calls on
   its ranks under torchrun (:mod:`fsdp_interactive.pool.rank._job`).
 """
@@ -33,6 +37,8 @@ _LAZY_EXPORTS = {
     "Pool": "fsdp_interactive.pool",
     "breakpoint": "fsdp_interactive.pool.rank._breakpoint",
     "snapshot": "fsdp_interactive.checkpoint",
+    "attachable": "fsdp_interactive.attachable",
+    "attach": "fsdp_interactive.pool",
     "job": "fsdp_interactive.pool.rank._job",
 }
 

@@ -45,6 +45,8 @@ LAYERS: dict[str, int] = {
     "_status_line": 0,  # the in-place surface: a text stream's last line, a kernel display
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
     "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
+    # an attachable job's records (run with -m over ssh: the standard library only)
+    "_attach_records": 1,
     # whether another user could change a path: checkpoints, the pool's socket folder
     "_path_trust": 1,
     # rank side: the FSDP1 API, the example models
@@ -62,6 +64,7 @@ LAYERS: dict[str, int] = {
     "notebook": 5,
     # entry points
     "demo": 6,
+    "attachable": 6,  # a training job's ranks made attachable (rank side)
     "cli": 7,
     "__init__": 8,
     "__main__": 8,
@@ -79,6 +82,8 @@ RANK_SIDE = (
     "_bar_state",
     "_lines",
     "_lazy_exports",
+    "_attach_records",
+    "attachable",
     "_path_trust",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).

@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from fsdp_interactive.notebook._attach_magics import AttachMagics, is_attached
 from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
     cell_hang_notice,
@@ -52,6 +53,11 @@ _SUBCOMMANDS = (
     "run",
     "continue",
     "export",
+    "stacks",
+    "attach",
+    "pause",
+    "resume",
+    "detach",
 )
 
 _magics: FsdpMagics | None = None
@@ -91,7 +97,7 @@ def _rank_number(text: str) -> int:
 
 
 @magics_class
-class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
+class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     """The ``%fsdp`` family; one instance per IPython shell."""
 
     def __init__(self, shell: Any) -> None:
@@ -236,6 +242,8 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
     def _fsdp_stop(self, rest: str) -> None:
         """End the pool: its ranks, engines and controller (auto mode goes off)."""
         self._no_arguments("stop", rest)
+        if is_attached(self.pool):
+            return self._fsdp_detach("")
         pool, self.pool = self.pool, None
         self._set_auto(False)
         if pool is None or pool.state == "stopped":
@@ -270,6 +278,8 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         if self.pool is None:
             print("no pool; start one with %fsdp start -n 2")
             return
+        if is_attached(self.pool):
+            return self._attached_status()
         print("\n".join(self.pool.check().lines(notebook=True)))
         if not self.pool.running:
             return
@@ -568,7 +578,8 @@ class FsdpMagics(RecoveryMagics, ScriptMagics, Magics):
         show_outputs(outputs_of(sink, result, ranks), args.group_outputs, streamed=stream)
         if args.out:
             self.shell.user_ns[args.out] = result
-        mark_cell(pool, local=args.local, export=args.export)
+        if not is_attached(pool):  # a job has no journal: its journal options are ignored
+            mark_cell(pool, local=args.local, export=args.export)
         if args.local:
             self.shell.ex(self.shell.transform_cell(cell))
 

@@ -8,11 +8,17 @@ Notebook side. ``Pool`` is the entry point; the exceptions below (defined in
 hosts of an ipyparallel config whether they answer with this kernel's versions. A run's
 ``on_output`` sink gets each chunk of the ranks' text and, through its ``display``
 method when it has one, each :class:`RankDisplay` they publish, and through its ``hang``
-method a running call's :class:`HangNotice` (``None`` when it goes away). Rank-side start-up code lives in
+method a running call's :class:`HangNotice` (``None`` when it goes away). ``attach()``
+returns an :class:`AttachedJob`: the ranks of a running job started with
+``fsdp_interactive.attachable``, driven like a pool (:class:`JobStatus`,
+:class:`HangReport`; :class:`AttachError`, :class:`JobError`, :class:`JobNotPaused`,
+:class:`JobRanksGone`). Rank-side start-up code lives in
 :mod:`fsdp_interactive.pool.rank._bootstrap` (free of IPython).
 """
 
 from fsdp_interactive._lazy_exports import public_names
+from fsdp_interactive.pool._attach_errors import AttachError, JobError, JobNotPaused, JobRanksGone
+from fsdp_interactive.pool._attached_job import AttachedJob, HangReport, JobStatus, attach
 from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
@@ -38,12 +44,19 @@ from fsdp_interactive.pool.processes._devices import visible_cuda_device_count
 from fsdp_interactive.pool.processes._ssh_check import check_hosts as check_ssh_hosts
 
 __all__ = [
+    "AttachError",
+    "AttachedJob",
     "CollectiveTrace",
     "DebuggerOutput",
     "ExportPlan",
     "ExportRefused",
     "HangNotice",
+    "HangReport",
     "InterruptReport",
+    "JobError",
+    "JobNotPaused",
+    "JobRanksGone",
+    "JobStatus",
     "Pool",
     "PoolBusy",
     "PoolError",
@@ -63,6 +76,7 @@ __all__ = [
     "ScriptRunError",
     "ScriptStatus",
     "TaggedPrinter",
+    "attach",
     "check_ssh_hosts",
     "visible_cuda_device_count",
 ]

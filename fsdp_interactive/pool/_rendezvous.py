@@ -52,7 +52,7 @@ from fsdp_interactive.pool._call_output import send_requests
 from fsdp_interactive.pool._output import OutputPump, TaggedPrinter
 from fsdp_interactive.pool._placement import Placement, settle
 from fsdp_interactive.pool._registration import Registration
-from fsdp_interactive.pool.common import _hosts, _snapshot_root
+from fsdp_interactive.pool.common import _agent_wire, _hosts, _snapshot_root
 from fsdp_interactive.pool.common._topology import RankRecord, RankSlot, assign_ranks
 from fsdp_interactive.pool.diagnostics._diagnosis import traceback_text
 from fsdp_interactive.pool.errors import PoolStartError, describe_exit
@@ -101,7 +101,7 @@ class Group:
     records: list[RankRecord] = field(default_factory=list)
     views: dict[int, Any] = field(default_factory=dict)
     thread_ids: dict[int, int] = field(default_factory=dict)
-    agents: dict[int, tuple[str, int]] = field(default_factory=dict)
+    agents: dict[int, _agent_wire.Address] = field(default_factory=dict)
     recorder_notes: dict[int, str | None] = field(default_factory=dict)
     nonce: bytes = b""
     #: Each rank's parent process (on its host), as the rank reported it.
@@ -287,7 +287,7 @@ class Rendezvous:
             for slot in slots
         ]
         group.thread_ids = {r: joined[r]["thread_id"] for r in joined}
-        group.agents = {r: (joined[r]["agent"][0], int(joined[r]["agent"][1])) for r in joined}
+        group.agents = {r: joined[r]["agent"] for r in joined}
         group.recorder_notes = {r: joined[r]["recorder_note"] for r in joined}
         for r in sorted(joined):
             log.debug("rank %d collective sockets: %s", r, joined[r].get("socket_ifnames") or {})

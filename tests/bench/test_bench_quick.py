@@ -30,6 +30,7 @@ FIGURES = (
     "debug_cost",
     "state_scaling",
     "hang_watch",
+    "attach",
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -91,3 +91,17 @@ def marker_dir(tmp_path: Path) -> Path:
     """A directory ranks and test threads use to tell each other where they are."""
     os.chmod(tmp_path, 0o700)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def unattached_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The final parameters of ``tests/pool/attach_train.py --steps 9`` on 2 ranks, run
+    plainly (no attachable module): what every attached run of those steps must end with,
+    bit for bit (its other options, a hold or a sleep, change no number)."""
+    from tests.pool.attach_jobs import TorchrunJob
+
+    folder = tmp_path_factory.mktemp("unattached")
+    out = folder / "plain.pt"
+    with TorchrunJob(folder, 2, "--steps", "9", "--out", str(out), attachable=False) as job:
+        assert job.wait() == 0, job.output()
+    return out

@@ -1,12 +1,11 @@
 """The wire of the diagnostics channel: authenticated connections with time limits.
 
 Both ends use :mod:`multiprocessing.connection`'s HMAC challenge, in both directions
-(each side proves it holds the key before anything else is read), then exchange
-pickled dicts with ``Connection.send``/``recv``. Unpickling happens only after both
-sides authenticated, as with ``multiprocessing.connection.Listener(authkey=...)``; the
-handshake is done here rather than in ``Listener.accept`` so that it runs under a time
-limit, on the connection's own thread (a peer that connects and says nothing cannot
-hold up the agent).
+(each side proves it holds the key before anything else is read), then exchange pickled
+dicts (:func:`send`, ``recv``). Unpickling happens only after both sides authenticated,
+as with ``multiprocessing.connection.Listener(authkey=...)``; the handshake is done here
+rather than in ``Listener.accept`` so that it runs under a time limit, on the
+connection's own thread (a peer that connects and says nothing cannot hold up the agent).
 
 Time limits are the sockets' own (``SO_RCVTIMEO``/``SO_SNDTIMEO``): the descriptors stay
 blocking, as ``Connection`` expects, and a read that waits too long fails with an
@@ -17,13 +16,14 @@ where the cluster key is the ipyparallel HMAC key the kernel and the engines alr
 share (it is in their connection files) and the nonce is fresh per pool start.
 
 Private, not only authenticated: a connection's first byte says how it goes on. ``P``
-(plain): the challenges, then frames in clear, for a unix socket in the pool's private
-socket folder (no other user can connect to it or see its traffic) and for a fault link,
-which carries a goodbye and faulthandler's dumps (file names, line numbers and function
-names, no values). ``S`` (secure): TLS first, then the challenges under a key bound to
-the TLS session (:mod:`._secure_link`), for everything a rank on another host sends the
-kernel. An agent that listens on TCP answers plain connections only with a fault link
-(:data:`PLAIN_OPS`).
+(plain): the challenges, then frames in clear, for a unix socket in a private folder (a
+pool's socket folder, an attachable job's folder: no other user can connect to it or see
+its traffic) and for a fault link, which carries a goodbye and faulthandler's dumps
+(file names, line numbers and function names, no values). ``S`` (secure): TLS first,
+then the challenges under a key bound to the TLS session (:mod:`._secure_link`), for
+everything a rank on another host sends the kernel (a pool's ranks; an attachable job's
+that listen on TCP). An agent that listens on TCP answers plain connections only with a
+fault link (:data:`PLAIN_OPS`).
 
 Free of torch, IPython and ipyparallel: both sides import it.
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import pickle
 import signal
 import socket
 import struct
@@ -80,12 +81,6 @@ GOODBYE = "goodbye"
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 5, 2, 3
 
 
-def is_unix(host: str) -> bool:
-    """Whether an agent's ``host`` names a unix socket (an absolute path: the pool's socket
-    folder when it listens, the socket itself in its address) rather than an IP address."""
-    return host.startswith("/")
-
-
 def keep_alive(fd: int) -> None:
     """Switch on TCP keepalive (see :data:`KEEPALIVE_IDLE_S`) on the socket ``fd`` (a unix
     socket needs none: its peer's end closes with the peer's process)."""
@@ -120,35 +115,65 @@ def peer_gone(fd: int) -> bool:
     return data == b""
 
 
+#: Where an agent listens: ``(host, port)``, or the path of a unix socket.
+Address = tuple[str, int] | str
+
+
+def is_unix(address: Address) -> bool:
+    """Whether ``address`` is a unix socket's path rather than ``(host, port)``."""
+    return isinstance(address, str)
+
+
+def send(conn: Any, message: Any) -> None:
+    """Send ``message`` pickled by the standard pickler. ``Connection.send`` uses
+    multiprocessing's pickler, for which torch registers reductions that send a tensor as
+    a handle to shared memory (fit for a child process, not for a peer over a socket);
+    the standard pickler sends a tensor's bytes. ``recv`` reads either."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def shut(conn: Any) -> None:
+    """Close ``conn``, waking a thread that waits to read from it (``close`` alone would
+    leave it waiting on a descriptor number that may be reused); never raises."""
+    try:
+        sock = socket.socket(fileno=conn.fileno())
+    except (OSError, ValueError):
+        return  # closed already
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+    conn.close()
+
+
 #: What a plain connection may ask of an agent that listens on TCP.
 PLAIN_OPS = ("fault_link",)
 _PLAIN, _SECURE = b"P", b"S"
 
 
-def connect(
-    address: tuple[str, int], authkey: bytes, timeout: float, *, secure: bool | None = None
-) -> Any:
-    """An authenticated connection to the agent at ``address`` (``(host, port)``, or
-    ``(path, 0)`` of a unix socket); reads bounded by ``timeout``. ``secure``: TLS (see
-    the module); ``None``: for a TCP address, not for a unix socket.
+def connect(address: Address, authkey: bytes, timeout: float, *, secure: bool | None = None) -> Any:
+    """An authenticated connection to the agent at ``address`` (``(host, port)``, or the
+    path of a unix socket); reads bounded by ``timeout``. ``secure``: TLS (see the
+    module); ``None``: for a TCP address, not for a unix socket.
 
     Raises ``OSError`` (including ``TimeoutError`` and ``ssl.SSLError``) when the agent
     cannot be reached or does not answer in time, and
     ``multiprocessing.AuthenticationError`` on a key mismatch.
     """
-    unix = is_unix(address[0])
-    if unix:
+    if isinstance(address, str):  # a unix socket
         sock = socket.socket(socket.AF_UNIX)
         sock.settimeout(timeout)
         try:
-            sock.connect(address[0])
+            sock.connect(address)
         except BaseException:
             sock.close()
             raise
     else:
         sock = socket.create_connection(address, timeout=timeout)
     if secure is None:
-        secure = not unix
+        secure = not is_unix(address)
     sock.settimeout(None)  # blocking descriptor; the bound below applies instead
     _no_delay(sock)
     set_timeout(sock, timeout)

@@ -68,6 +68,8 @@ _FRAMEWORK_PATH = re.compile(
     # how a local engine was started: forked by the pool's forker, run as `python -m`
     r"|([/\\]pool[/\\]processes[/\\](_engine_forker|_engine_entry|_forked_children)\.py$)"
     r"|([/\\]runpy\.py$)"
+    # how an attachable job's rank was started: python -m fsdp_interactive.attachable
+    r"|([/\\]fsdp_interactive[/\\]attachable\.py$)"
 )
 _WRAPPER_FILES = ("c10d_logger.py",)
 

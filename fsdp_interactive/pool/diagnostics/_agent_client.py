@@ -1,8 +1,9 @@
 """Kernel side of the diagnostics channel: asking every rank's agent at once.
 
-:class:`RankAgents` holds the agents' addresses (``rank -> (host, port)``, as the ranks
-reported them when they joined) and the pool's channel key. Local and remote ranks are
-asked the same way:
+:class:`RankAgents` holds the agents' addresses (``rank -> (host, port)`` or the path of
+a unix socket, as the ranks reported them when they joined) and the pool's channel key
+(or each rank's own: an attached job's). Local and remote ranks are asked the same way
+(TLS to a TCP agent, :mod:`pool.common._agent_wire`):
 
 * :meth:`RankAgents.ask` sends one request to many ranks concurrently (one thread and
   one fresh authenticated connection per rank) and returns the replies that came within
@@ -50,13 +51,21 @@ class RankAgents:
 
     def __init__(
         self,
-        addresses: Mapping[int, tuple[str, int]],
-        authkey: bytes,
+        addresses: Mapping[int, _agent_wire.Address],
+        authkey: bytes | Mapping[int, bytes],
         *,
         timeout: float = ASK_TIMEOUT_S,
     ) -> None:
-        self.addresses = {rank: (str(a[0]), int(a[1])) for rank, a in addresses.items()}
-        self._key = authkey
+        self.addresses: dict[int, _agent_wire.Address] = {
+            rank: a if isinstance(a, str) else (str(a[0]), int(a[1]))
+            for rank, a in addresses.items()
+        }
+        # One key for every rank (a pool's), or each rank its own (an attached job's).
+        self._keys = (
+            dict(authkey)
+            if isinstance(authkey, Mapping)
+            else dict.fromkeys(self.addresses, authkey)
+        )
         self.timeout = timeout
         self._fault: dict[int, Connection] = {}
         self._events: dict[int, Connection] = {}
@@ -69,9 +78,9 @@ class RankAgents:
     def ask_one(self, rank: int, request: dict[str, Any], timeout: float | None = None) -> Any:
         """One rank's reply to ``request``; raises ``OSError`` when it does not answer in time."""
         limit = self.timeout if timeout is None else timeout
-        conn = _agent_wire.connect(self.addresses[rank], self._key, limit)
+        conn = _agent_wire.connect(self.addresses[rank], self._keys[rank], limit)
         try:
-            conn.send(request)
+            _agent_wire.send(conn, request)
             reply = conn.recv()
         finally:
             conn.close()
@@ -126,8 +135,8 @@ class RankAgents:
             address = self.addresses[rank]
             # A fault link stays plain: faulthandler writes into its socket (it carries
             # code locations, no values); everything else to a TCP agent is encrypted.
-            secure = kind != "fault_link" and not _agent_wire.is_unix(address[0])
-            conn = _agent_wire.connect(address, self._key, self.timeout, secure=secure)
+            secure = kind != "fault_link" and not _agent_wire.is_unix(address)
+            conn = _agent_wire.connect(address, self._keys[rank], self.timeout, secure=secure)
             conn.send({"op": kind})
             reply = conn.recv()
             if not (isinstance(reply, dict) and reply.get("ok")):

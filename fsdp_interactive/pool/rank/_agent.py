@@ -45,10 +45,16 @@ slow answer (py-spy) does not hold up another:
   live breakpoint asks for debugger commands.
 
 The agent needs the GIL to answer; a rank whose C code holds the GIL does not answer,
-and the kernel falls back to the signal. On TCP (ranks on several hosts) every
-connection but the fault link is encrypted (TLS, :mod:`pool.common._secure_link`); the
-fault link stays plain, because faulthandler writes its dump straight into the socket,
-and carries code locations only.
+and the kernel falls back to the signal. On TCP (ranks on several hosts, an attachable
+job's ``--listen``) every connection but the fault link is encrypted (TLS,
+:mod:`pool.common._secure_link`); the fault link stays plain, because faulthandler writes
+its dump straight into the socket, and carries code locations only.
+
+Other servers built on the agent (an attachable job's, :mod:`._attach_service`) hand it
+a socket that already listens (``listener``: a unix socket in a private folder, say) and
+``handlers``: ops of their own, asked before the ones above, each called with the request
+and its connection; a handler that keeps the connection (a long-lived link) returns
+:data:`KEPT`. On TCP they are answered over TLS only, as the agent's own.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -72,6 +78,10 @@ log = logging.getLogger(__name__)
 
 #: Exit status of a rank whose kernel is gone.
 OWNER_GONE_EXIT = 75
+#: What a handler returns when it keeps the connection it was given (nothing is sent).
+KEPT = object()
+#: ``handler(request, connection)``: a reply dict, or :data:`KEPT`.
+Handler = Callable[[dict[str, Any], Connection], Any]
 
 
 class RankAgent:
@@ -80,7 +90,10 @@ class RankAgent:
     ``user_thread``: ident of the thread that runs user code; ``code_name(filename)``
     labels notebook cell code; ``rank()`` tells the rank once the group formed;
     ``end_with_owner``: exit when the kernel's fault link ends without
-    :data:`pool.common._agent_wire.GOODBYE`.
+    :data:`pool.common._agent_wire.GOODBYE`. ``host``: the address to listen on (a fresh
+    TCP port), or the socket folder to listen in (an absolute path: a unix socket there).
+    ``listener``: a listening socket to serve on instead (``host`` is then unused);
+    ``handlers``: ops of the caller's own (see the module).
     """
 
     def __init__(
@@ -92,26 +105,21 @@ class RankAgent:
         code_name: CodeName | None = None,
         rank: Callable[[], int] = lambda: -1,
         end_with_owner: bool = False,
+        listener: socket.socket | None = None,
+        handlers: Mapping[str, Handler] | None = None,
     ) -> None:
         self.authkey = authkey
         self.end_with_owner = end_with_owner
         self.user_thread = user_thread
         self.code_name = code_name
         self.rank = rank
+        self.handlers = dict(handlers or {})
+        #: The unix socket this agent made in a socket folder (removed when it closes).
         self._unix_path: str | None = None
-        if _agent_wire.is_unix(host):  # the pool's socket folder
-            self._unix_path = socket_path(host, f"agent-{os.getpid()}")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._unix_path)  # an earlier group's agent of this process
-            self._sock = socket.socket(socket.AF_UNIX)
-            self._sock.bind(self._unix_path)
-            self.address: tuple[str, int] = (self._unix_path, 0)
-        else:
-            self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((host, 0))
-            self.address = self._sock.getsockname()[:2]
-        self._sock.listen(64)
+        self._sock = listener if listener is not None else self._listen(host)
+        name = self._sock.getsockname()
+        #: ``(host, port)``, or the path of a unix socket.
+        self.address: _agent_wire.Address = name if isinstance(name, str) else name[:2]
         self._links: dict[str, Connection] = {}
         self._events: EventLink | None = None
         self._closed = False
@@ -119,6 +127,22 @@ class RankAgent:
             target=self._accept_loop, name="fsdp-interactive-agent", daemon=True
         )
         self._thread.start()
+
+    def _listen(self, host: str) -> socket.socket:
+        """A fresh listening socket: a unix socket in the socket folder ``host`` names (an
+        absolute path), else a fresh TCP port on the address ``host``."""
+        if os.path.isabs(host):  # the pool's socket folder
+            self._unix_path = socket_path(host, f"agent-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_path)  # an earlier group's agent of this process
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(self._unix_path)
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+        sock.listen(64)
+        return sock
 
     # ------------------------------------------------------------------ serving
 
@@ -146,7 +170,20 @@ class RankAgent:
                     return
                 op = request.get("op") if isinstance(request, dict) else None
                 if not self._may_answer(conn, op):
-                    conn.send({"error": f"{op!r} is answered only over TLS on this agent"})
+                    _agent_wire.send(
+                        conn, {"error": f"{op!r} is answered only over TLS on this agent"}
+                    )
+                    continue
+                handler = self.handlers.get(op) if isinstance(op, str) else None
+                if handler is not None:
+                    try:
+                        reply = handler(request, conn)
+                    except Exception as error:
+                        reply = {"error": f"{type(error).__name__}: {error}"}
+                    if reply is KEPT:
+                        conn = None  # type: ignore[assignment]  # the handler owns it now
+                        return
+                    _agent_wire.send(conn, reply)
                     continue
                 if op in ("fault_link", "event_link"):
                     self._keep_link(op, conn)
@@ -154,10 +191,10 @@ class RankAgent:
                     conn = None  # type: ignore[assignment]  # kept; not closed here
                     return
                 try:
-                    reply = self._answer(op, request)
+                    reply = self.answer(op, request)
                 except Exception as error:
                     reply = {"error": f"{type(error).__name__}: {error}"}
-                conn.send(reply)
+                _agent_wire.send(conn, reply)
         finally:
             if conn is not None:
                 conn.close()
@@ -166,12 +203,13 @@ class RankAgent:
         """A TCP agent answers a plain connection (no TLS) with a fault link only: what it
         carries names code, never values (:mod:`pool.common._agent_wire`)."""
         return (
-            self._unix_path is not None
+            self._sock.family == socket.AF_UNIX
             or getattr(conn, "secure", False)
             or op in _agent_wire.PLAIN_OPS
         )
 
-    def _answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, op: Any, request: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one of the agent's own requests (see the module)."""
         from fsdp_interactive.pool.rank import (
             _debugger,
             _thread_stacks,
@@ -287,17 +325,7 @@ class EventLink:
         return self._conn.recv()
 
 
-def _shut(conn: Connection) -> None:
-    """Close ``conn``, waking a thread that waits to read from it (``close`` alone
-    would leave it waiting on a descriptor number that may be reused)."""
-    sock = socket.socket(fileno=conn.fileno())
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
-    conn.close()
+_shut = _agent_wire.shut
 
 
 _AGENT: RankAgent | None = None
@@ -321,13 +349,13 @@ def start(
     code_name: CodeName | None = None,
     rank: Callable[[], int] = lambda: -1,
     end_with_owner: bool = False,
-) -> tuple[str, int]:
+) -> _agent_wire.Address:
     """Start this process's agent on ``host`` (a fresh port), or in the socket folder
-    ``host`` names (an absolute path: a unix socket there); its ``(host, port)`` (``(path,
-    0)`` for a unix socket).
+    ``host`` names (an absolute path: a unix socket there); its ``(host, port)``, or the
+    path of its unix socket.
 
-        A running agent is replaced (a restarted pool brings a new key). ``user_thread``
-        defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
+    A running agent is replaced (a restarted pool brings a new key). ``user_thread``
+    defaults to the calling thread; ``end_with_owner``: see :class:`RankAgent`.
     """
     global _AGENT
     stop()
@@ -340,7 +368,7 @@ def start(
         rank=rank,
         end_with_owner=end_with_owner,
     )
-    log.debug("diagnostics agent listening on %s (port %d)", *_AGENT.address)
+    log.debug("diagnostics agent listening on %s", _AGENT.address)
     return _AGENT.address
 
 

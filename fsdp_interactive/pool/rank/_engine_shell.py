@@ -95,8 +95,8 @@ class AgentSpec:
 def join_pool(spec: _bootstrap.JoinSpec, agent: AgentSpec) -> dict[str, Any]:
     """Start this engine's agent as ``agent`` says, then join the group as ``spec`` says.
 
-    The record of :func:`._bootstrap.join_group` comes back with ``agent`` (``[host,
-    port]``, ``[path, 0]`` for a unix socket).
+    The record of :func:`._bootstrap.join_group` comes back with ``agent`` (``(host,
+    port)``, or the path of a unix socket).
     """
     shell = _shell()
     key = _agent_wire.derive_key(bytes(shell.kernel.session.key), bytes.fromhex(agent.nonce))
@@ -113,7 +113,7 @@ def join_pool(spec: _bootstrap.JoinSpec, agent: AgentSpec) -> dict[str, Any]:
     _notices.set_judge(_judge_names)
     _debugger.forget()
     record = _bootstrap.join_group(spec)
-    record["agent"] = list(address)
+    record["agent"] = address
     return record
 
 

@@ -44,6 +44,17 @@ _TORCH_PATH = re.compile(r"[/\\]torch[/\\]")
 _note: str | None = "the flight recorder was not checked on this rank yet"
 
 
+def checked() -> bool:
+    """Whether :func:`check` found the recorder recording (until then :func:`dump` returns
+    only a note)."""
+    return _note is None
+
+
+def recorded_any() -> bool:
+    """Whether any recorder of this torch holds an entry (a group issued a collective)."""
+    return any(raw.get("entries") for _, raw in _raw_dumps(stack_traces=False))
+
+
 def configure(buffer_size: int | None) -> None:
     """Ask for a ring buffer of ``buffer_size`` entries (0: off) before the group forms.
 
