@@ -160,7 +160,7 @@ class PoolFaults:
         self.lost_hosts = []
         error.recovered("\n".join([report.summary(), *report.names_lines()]), report.step)
         with self.recovering():  # what the views refresh never recovers again by itself
-            pool._recovered(report)
+            pool._recovery_watchers.tell(report)
 
     @contextlib.contextmanager
     def recovering(self) -> Iterator[None]:
