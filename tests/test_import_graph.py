@@ -41,18 +41,12 @@ LAYERS: dict[str, int] = {
     "_controller_entry": 0,  # run with -m as the pool's controller: ipyparallel, no pool import
     "_private_files": 0,  # folders and files only this user reaches: forker, reaper, ranks
     "_notices": 0,  # what a rank tells the kernel unasked; the pool installs the carrier
-    "_step_counter": 0,  # a stateful step count the kernel can unpickle without torch
-    "_lines": 0,  # a stream's lines as shown (carriage returns rewrite the current line)
-    "_status_line": 0,  # lines that move in place on a text stream
+    "_lines": 0,  # a stream's lines as shown; each rank's streams cut and tagged (RankLines)
+    "_status_line": 0,  # the in-place surface: a text stream's last line, a kernel display
     "_bar_state": 0,  # a rank's progress bar as data, sent to the kernel that draws it
     "_lazy_exports": 0,  # names a package imports when first used (kernel and rank side)
-    "_checksums": 0,  # checkpoint files' checksum algorithms: checkpoints, engine forker
-    # a snapshot's checksums taken ahead of a restore: engine forker and ranks
-    "_prechecked": 1,
     # an attachable job's records (run with -m over ssh: the standard library only)
     "_attach_records": 1,
-    # the user's checkpoint key (sealed disk checkpoints): ranks, and the kernel for a pool
-    "_owner_key": 1,
     # whether another user could change a path: checkpoints, the pool's socket folder
     "_path_trust": 1,
     # rank side: the FSDP1 API, the example models
@@ -85,15 +79,11 @@ RANK_SIDE = (
     "_torch_compat",
     "_notices",
     "_plain",
-    "_step_counter",
     "_bar_state",
     "_lines",
     "_lazy_exports",
-    "_checksums",
-    "_prechecked",
     "_attach_records",
     "attachable",
-    "_owner_key",
     "_path_trust",
 )
 #: Folders of ``pool/`` whose modules run inside the engines (or in both places).

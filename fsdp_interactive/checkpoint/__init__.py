@@ -36,28 +36,7 @@ times, manifest, publish, rotation, what a load found and how it resharded.
 
 from __future__ import annotations
 
-from fsdp_interactive._lazy_exports import public_names
-from fsdp_interactive._step_counter import StepCounter
-from fsdp_interactive.checkpoint._convert import ConversionResult, from_full, to_full
-from fsdp_interactive.checkpoint._handle import SaveHandle, SaveResult
-from fsdp_interactive.checkpoint._layout import latest_checkpoint, list_checkpoints
-from fsdp_interactive.checkpoint._load import LoadReport, load
-from fsdp_interactive.checkpoint._manifest import CheckpointRecord
-from fsdp_interactive.checkpoint._rng import RNGState
-from fsdp_interactive.checkpoint._sampler import ResumableDistributedSampler
-from fsdp_interactive.checkpoint._save import async_save, save, wait_for_pending_save
-from fsdp_interactive.checkpoint._snapshot import (
-    RestoreReport,
-    SnapshotHandle,
-    SnapshotRecord,
-    drop_snapshots,
-    list_snapshots,
-    persist_snapshot,
-    restore_snapshot,
-    snapshot,
-)
-from fsdp_interactive.checkpoint._stateful import PerRankStateful, Stateful
-from fsdp_interactive.checkpoint._trust import trust
+from fsdp_interactive._lazy_exports import lazy_exports
 from fsdp_interactive.checkpoint.errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -71,6 +50,41 @@ from fsdp_interactive.checkpoint.errors import (
     UnsupportedModelError,
     UntrustedCheckpointError,
 )
+
+_CHECKPOINT = "fsdp_interactive.checkpoint"
+#: Each name exported on first use, and the module it comes from. The package imports
+#: nothing of torch until one is used: its torch-free parts (the file format's checksums,
+#: manifest, seals and keys, :class:`StepCounter`) serve the kernel and the engine
+#: forkers, which import only those.
+_LAZY = {
+    "ConversionResult": f"{_CHECKPOINT}._convert",
+    "from_full": f"{_CHECKPOINT}._convert",
+    "to_full": f"{_CHECKPOINT}._convert",
+    "SaveHandle": f"{_CHECKPOINT}._save_handle",
+    "SaveResult": f"{_CHECKPOINT}._save_handle",
+    "latest_checkpoint": f"{_CHECKPOINT}._checkpoint_folders",
+    "list_checkpoints": f"{_CHECKPOINT}._checkpoint_folders",
+    "LoadReport": f"{_CHECKPOINT}._load",
+    "load": f"{_CHECKPOINT}._load",
+    "CheckpointRecord": f"{_CHECKPOINT}._format._manifest",
+    "RNGState": f"{_CHECKPOINT}._rng",
+    "ResumableDistributedSampler": f"{_CHECKPOINT}._sampler",
+    "async_save": f"{_CHECKPOINT}._save",
+    "save": f"{_CHECKPOINT}._save",
+    "wait_for_pending_save": f"{_CHECKPOINT}._save",
+    "RestoreReport": f"{_CHECKPOINT}._snapshot",
+    "SnapshotHandle": f"{_CHECKPOINT}._snapshot",
+    "SnapshotRecord": f"{_CHECKPOINT}._snapshot",
+    "drop_snapshots": f"{_CHECKPOINT}._snapshot",
+    "list_snapshots": f"{_CHECKPOINT}._snapshot",
+    "persist_snapshot": f"{_CHECKPOINT}._snapshot",
+    "restore_snapshot": f"{_CHECKPOINT}._snapshot",
+    "snapshot": f"{_CHECKPOINT}._snapshot",
+    "PerRankStateful": f"{_CHECKPOINT}._stateful",
+    "Stateful": f"{_CHECKPOINT}._stateful",
+    "StepCounter": f"{_CHECKPOINT}._step_counter",
+    "trust": f"{_CHECKPOINT}._trust",
+}
 
 __all__ = [
     "CheckpointBusyError",
@@ -113,4 +127,4 @@ __all__ = [
     "wait_for_pending_save",
 ]
 
-__dir__ = public_names(__name__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout, _pipeline
+from fsdp_interactive.checkpoint import _checkpoint_folders, _pipeline
+from fsdp_interactive.checkpoint._format._safe_reader import safe_load, section_paths
 from fsdp_interactive.checkpoint._load import check_folder, unwrap_dcp_error, verify_files
-from fsdp_interactive.checkpoint._safe_reader import safe_load, section_paths
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
@@ -100,7 +100,7 @@ def to_full(
         raise CheckpointPathError(f"output {str(out_path)!r} is a folder; expected a file path")
     state = read_full_model_state(checkpoint, trusted=trusted)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.partial-{_layout.new_token()}")
+    tmp = out_path.with_name(f".{out_path.name}.partial-{_checkpoint_folders.new_token()}")
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file

@@ -5,7 +5,7 @@ All-or-nothing: before anything is written into them,
 
 1. the checkpoint is checked to be this user's (:func:`check_folder`): no folder on the
    way to it, and neither it nor a file in it, can be changed by another user, and its
-   seal holds under this user's checkpoint key (:mod:`._owner_seal`), unless the caller
+   seal holds under this user's checkpoint key (:mod:`._format._owner_seal`), unless the caller
    says it trusts it (``trusted=True``); then the manifest and DCP metadata are read
    (metadata with the allow-list unpickler, at most the size the manifest gives it);
 2. every data file is checked against the manifest's size and SHA-256, the files split
@@ -39,22 +39,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fsdp_interactive import _owner_key as _owner_key_module
 from fsdp_interactive import _path_trust
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._text import first_few
 from fsdp_interactive._torch_compat import ShardedTensor, set_element
-from fsdp_interactive.checkpoint import _manifest, _owner_seal, _state, _stateful
-from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
-from fsdp_interactive.checkpoint._handle import INFLIGHT
-from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
-from fsdp_interactive.checkpoint._safe_reader import (
+from fsdp_interactive.checkpoint import _model_state, _stateful
+from fsdp_interactive.checkpoint._format import _manifest, _owner_seal
+from fsdp_interactive.checkpoint._format import _owner_key as _owner_key_module
+from fsdp_interactive.checkpoint._format._safe_reader import (
     METADATA_FILE,
     read_metadata,
     safe_load,
     section_paths,
     storage_extents,
 )
+from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
+from fsdp_interactive.checkpoint._in_place import is_own, owned_storages
+from fsdp_interactive.checkpoint._save_handle import INFLIGHT
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CheckpointPathError,
@@ -248,7 +249,7 @@ def _optim_targets(
     names: dict[int, list[str]], current: dict[str, Any], metadata: Metadata, strict: bool
 ) -> tuple[dict[str, Any], list[str]]:
     """Buffers for the saved optimizer state of the parameters ``names``
-    (``_state.param_names``): a state tensor shaped like its parameter is sharded like the
+    (``_model_state.param_names``): a state tensor shaped like its parameter is sharded like the
     parameter's value in the model state ``current`` (a DTensor or a torch FSDP1
     ``ShardedTensor``), any other one is read whole."""
     params = {name for fqns in names.values() for name in fqns}
@@ -290,7 +291,7 @@ def _check_param_groups(
     loaded: dict[str, Any],
     names: dict[int, list[str]],
 ) -> None:
-    expected = _state.optimizer_param_groups(model, optimizer, names)
+    expected = _model_state.optimizer_param_groups(model, optimizer, names)
     got = [list(g.get("params", [])) for g in loaded.get("param_groups", [])]
     if [sorted(g) for g in got] != [sorted(g) for g in expected]:
         raise IncompatibleCheckpointError(
@@ -327,7 +328,7 @@ class _Targets:
     unexpected: list[str]
     #: The model's keys read straight into the model's own tensors (``in_place``).
     live: set[str] = field(default_factory=set)
-    #: ``_state.param_names(model)``, computed once for the optimizer's steps.
+    #: ``_model_state.param_names(model)``, computed once for the optimizer's steps.
     param_names: dict[int, list[str]] = field(default_factory=dict)
 
 
@@ -345,10 +346,10 @@ def _targets(
     current: dict[str, Any] | None = None,
 ) -> _Targets:
     owned = owned_storages(model) if in_place else None
-    current = _state.model_state(model) if current is None else current
+    current = _model_state.model_state(model) if current is None else current
     model_target, missing, unexpected = _model_targets(current, metadata, strict, owned)
     state: dict[str, Any] = {"model": model_target}
-    names = _state.param_names(model) if optimizer is not None else {}
+    names = _model_state.param_names(model) if optimizer is not None else {}
     if optimizer is not None:
         if not manifest.has_optimizer:
             if strict:
@@ -474,7 +475,7 @@ def load_with_state(
     model_state: dict[str, Any] | None,
     trusted: bool = False,
 ) -> LoadReport:
-    """:func:`load`, given ``model_state``: ``_state.model_state(model)`` as the caller
+    """:func:`load`, given ``model_state``: ``_model_state.model_state(model)`` as the caller
     computed it since the model last changed (``None``: computed here), so that a caller
     that compared keys first does not compute it twice."""
     objects = _stateful.check_stateful(stateful)
@@ -536,11 +537,13 @@ def load_with_state(
     ranks.agree(error)
 
     if buffers or not in_place:
-        _state.apply_model_state(model, buffers)
+        _model_state.apply_model_state(model, buffers)
     if in_place:  # collective (the agreement): every rank reads, also one with nothing in place
         _read({"model": {k: model_state[k] for k in targets.live}}, folder, metadata, ranks)
     if "optim" in targets.state:
-        _state.apply_optimizer_state(model, optimizer, targets.state["optim"], targets.param_names)
+        _model_state.apply_optimizer_state(
+            model, optimizer, targets.state["optim"], targets.param_names
+        )
     return LoadReport(
         path=str(folder),
         step=manifest.step,

@@ -46,9 +46,10 @@ from torch.distributed.tensor import DTensor
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive._torch_compat import ShardedTensor, local_tensor
-from fsdp_interactive.checkpoint import _layout, _manifest, _owner_seal, _state, _stateful
-from fsdp_interactive.checkpoint._handle import INFLIGHT, SaveHandle, SaveResult
-from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
+from fsdp_interactive.checkpoint import _checkpoint_folders, _model_state, _stateful
+from fsdp_interactive.checkpoint._format import _manifest, _owner_seal
+from fsdp_interactive.checkpoint._format._safe_reader import METADATA_FILE
+from fsdp_interactive.checkpoint._save_handle import INFLIGHT, SaveHandle, SaveResult
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
 from fsdp_interactive.fsdp import _fqn_state
@@ -68,7 +69,7 @@ class SaveRequest:
     overwrite: bool
     extra_json: str
     #: The checkpoint folder's mode (its files: ``mode & 0o666``).
-    mode: int = _layout.DEFAULT_MODE
+    mode: int = _checkpoint_folders.DEFAULT_MODE
 
     @classmethod
     def of(
@@ -79,7 +80,7 @@ class SaveRequest:
         keep_last: int | None,
         overwrite: bool,
         extra: Mapping[str, Any] | None,
-        mode: int = _layout.DEFAULT_MODE,
+        mode: int = _checkpoint_folders.DEFAULT_MODE,
     ) -> SaveRequest:
         """Validate the arguments of a save; ``TypeError``/``ValueError`` naming the bad one."""
         if keep_last is not None and (
@@ -91,7 +92,7 @@ class SaveRequest:
             step = extra["step"]
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-        mode = _layout.check_mode(mode)
+        mode = _checkpoint_folders.check_mode(mode)
         return cls(Path(path).absolute(), step, keep_last, bool(overwrite), extra_json, mode)
 
 
@@ -161,9 +162,9 @@ def capture(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
-    state: dict[str, Any] = {"model": _state.model_state(model)}
+    state: dict[str, Any] = {"model": _model_state.model_state(model)}
     if optimizer is not None:
-        state["optim"] = _state.optimizer_state(model, optimizer)
+        state["optim"] = _model_state.optimizer_state(model, optimizer)
     sections, kinds = _stateful.capture(stateful, ranks)
     state.update(sections)
     captured = Capture(state, Contents(has_optimizer=optimizer is not None, stateful=kinds))
@@ -184,16 +185,16 @@ def plan(request: SaveRequest, mode: Mode, ranks: Ranks, *, started: float) -> S
     final = request.final
 
     def preflight() -> str:
-        _layout.check_save_target(final, request.overwrite, request.mode)
-        _layout.remove_stale_partials(final.parent)
-        token = _layout.new_token()
+        _checkpoint_folders.check_save_target(final, request.overwrite, request.mode)
+        _checkpoint_folders.remove_stale_partials(final.parent)
+        token = _checkpoint_folders.new_token()
         try:
-            _layout.make_partial(final, token)
+            _checkpoint_folders.make_partial(final, token)
         except PermissionError as exc:
             raise CheckpointPathError(f"folder {str(final.parent)!r} is not writable") from exc
         return token
 
-    partial = _layout.partial_path(final, ranks.run_on_rank0(preflight))
+    partial = _checkpoint_folders.partial_path(final, ranks.run_on_rank0(preflight))
     _check_shared(partial, ranks)
     logger.info("save %s (%s, %d ranks): writing to %s", final, mode, ranks.size, partial)
     return SavePlan(request, partial, mode, started)
@@ -428,14 +429,16 @@ def _finalize(plan: SavePlan, contents: Contents, ranks: Ranks) -> SaveResult:
         _manifest.write_text_durably(partial / _manifest.EXTRA_FILE, request.extra_json)
         _manifest.write_text_durably(partial / _manifest.MANIFEST_FILE, manifest_json)
         _owner_seal.write_seal(partial, manifest_json, request.extra_json)
-        _layout.fsync_dir(partial)
+        _checkpoint_folders.fsync_dir(partial)
         record = manifest.record(final)
         logger.info(
             "manifest of %s: %d files, %d bytes", final, record.num_files, record.size_bytes
         )
-        _layout.publish(partial, final, mode=request.mode)
+        _checkpoint_folders.publish(partial, final, mode=request.mode)
         keep_last = request.keep_last
-        removed = _layout.rotate(final.parent, keep_last, protect=final) if keep_last else []
+        removed = (
+            _checkpoint_folders.rotate(final.parent, keep_last, protect=final) if keep_last else []
+        )
         return SaveResult(
             path=str(final),
             step=request.step,

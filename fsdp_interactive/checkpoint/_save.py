@@ -20,8 +20,8 @@ from torch import nn
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint import _pipeline
 from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
-from fsdp_interactive.checkpoint._handle import INFLIGHT, IfBusy, SaveHandle, SaveResult
-from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT as SNAPSHOTS
+from fsdp_interactive.checkpoint._save_handle import INFLIGHT, IfBusy, SaveHandle, SaveResult
+from fsdp_interactive.checkpoint._snapshot._snapshot_handle import INFLIGHT as SNAPSHOTS
 from fsdp_interactive.checkpoint._stateful import Stateful, check_stateful
 
 

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint._safe_reader import section_paths
+from fsdp_interactive.checkpoint._format._safe_reader import section_paths
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _manifest, _owner_seal
+from fsdp_interactive.checkpoint._format import _manifest, _owner_seal
+from fsdp_interactive.checkpoint._format._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._load import check_folder, open_entry, verify_files
-from fsdp_interactive.checkpoint._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint.errors import CheckpointPathError
 
 

@@ -5,7 +5,7 @@ runs on the ranks (:mod:`._rank_job`); :mod:`._report` draws the PNG report of t
 :class:`DemoResult` (:mod:`._result`) the driver fills.
 """
 
-from fsdp_interactive.demo._config import DemoConfig
+from fsdp_interactive.demo._demo_config import DemoConfig
 from fsdp_interactive.demo._driver import run_demo
 from fsdp_interactive.demo._result import DemoResult
 

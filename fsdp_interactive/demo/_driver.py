@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.demo import _rank_job
-from fsdp_interactive.demo._config import DemoConfig
+from fsdp_interactive.demo._demo_config import DemoConfig
 from fsdp_interactive.demo._report import shallow_modules, write_report
 from fsdp_interactive.demo._result import DemoResult
 from fsdp_interactive.inspect import ModelLayout, merge_layouts

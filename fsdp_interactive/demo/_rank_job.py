@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive import checkpoint, inspect
-from fsdp_interactive.demo._config import DemoConfig
+from fsdp_interactive.demo._demo_config import DemoConfig
 from fsdp_interactive.examples import TinyTransformer, TransformerBlock, synthetic_batch
 from fsdp_interactive.fsdp import FullyShardedDataParallel, ShardingStrategy
 from fsdp_interactive.fsdp.wrap import ModuleWrapPolicy

@@ -33,7 +33,7 @@ What differs from torch's FSDP1 (and why):
 
 This module is the public entry point: the constructor checks and resolves its arguments
 and builds the units (:mod:`._build`); every method delegates to the layer that implements
-it (:mod:`._forward`, :mod:`._summon`, :mod:`._clip_grad`, :mod:`._comm_hooks`, and for
+it (:mod:`._forward`, :mod:`._summon_full_params`, :mod:`._clip_grad`, :mod:`._comm_hooks`, and for
 state dicts and optimizer state dicts :mod:`._state_dict_utils`, :mod:`._optim_utils`). Per
 unit state lives in :class:`._unit_state.UnitState`, found with ``unit_state(module)``.
 """
@@ -66,7 +66,7 @@ from fsdp_interactive._torch_compat import (
     parameter_slots,
     submodule_slots,
 )
-from fsdp_interactive.fsdp import _init, _optim_utils, _state_dict_utils, _summon
+from fsdp_interactive.fsdp import _init, _optim_utils, _state_dict_utils, _summon_full_params
 from fsdp_interactive.fsdp._build import setup_unit
 from fsdp_interactive.fsdp._clip_grad import clip_grad_norm
 from fsdp_interactive.fsdp._comm_hooks import register_comm_hook
@@ -344,7 +344,7 @@ class FullyShardedDataParallel(nn.Module):
         precision when ``cast_root_forward_inputs`` (FSDP1's default) is set."""
         return unit_forward(self, self._state, self._fsdp_wrapped_module, args, kwargs)
 
-    summon_full_params = staticmethod(_summon.summon_full_params)
+    summon_full_params = staticmethod(_summon_full_params.summon_full_params)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with this unit's parameters whole; changes are written back.
@@ -352,7 +352,7 @@ class FullyShardedDataParallel(nn.Module):
         Nested units gather their own parameters when ``apply`` reaches them.
         """
         check_idle(self, "apply()")
-        with _summon.summon_full_params(self, recurse=False, writeback=True):
+        with _summon_full_params.summon_full_params(self, recurse=False, writeback=True):
             for child in self.children():
                 child.apply(fn)
             fn(self)

@@ -59,7 +59,7 @@ _INSPECT = "fsdp_interactive.inspect"
 #: ``PROBES``, and the helpers beside them.
 _LAZY = {
     **{probe.name: probe.module for probe in PROBES.values()},
-    "clean_name": f"{_INSPECT}._names",
+    "clean_name": f"{_INSPECT}._clean_name",
     "TOO_LARGE": f"{_INSPECT}._pull",
     "full_param": f"{_INSPECT}._pull",
     "plain_copy": f"{_INSPECT}._pull",

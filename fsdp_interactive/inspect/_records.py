@@ -408,7 +408,7 @@ _INSPECT = "fsdp_interactive.inspect"
 PROBES = _declare(
     Probe("layout", f"{_INSPECT}._layout", RankLayout, merge_layouts),
     Probe("grad_norms", f"{_INSPECT}._grad_norms", GradNorms, rank0_answer),
-    Probe("summon_stats", f"{_INSPECT}._summon", TensorStats, rank0_answer),
-    Probe("edit_param", f"{_INSPECT}._summon", TensorStats, rank0_answer),
+    Probe("summon_stats", f"{_INSPECT}._summon_stats", TensorStats, rank0_answer),
+    Probe("edit_param", f"{_INSPECT}._summon_stats", TensorStats, rank0_answer),
     Probe("memory", f"{_INSPECT}._memory", MemoryStats, by_rank, on_model=False),
 )

@@ -18,30 +18,24 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from fsdp_interactive.notebook._magic_session import Subcommands
+
 
 def is_attached(pool: Any) -> bool:
     """Whether the magics' pool is an attached job (not a pool they started)."""
     return bool(getattr(pool, "attached", False))
 
 
-class AttachMagics:
-    """The attach subcommands of ``%fsdp`` (a base of ``FsdpMagics``)."""
-
-    pool: Any
-
-    def _require_pool(self) -> Any:
-        raise NotImplementedError
-
-    def _parse(self, func: Any, rest: str, command: str) -> Any:
-        raise NotImplementedError
+class AttachCommands(Subcommands):
+    """The attach subcommands of ``%fsdp``."""
 
     def _require_job(self, command: str) -> Any:
-        if not is_attached(self.pool) or not self.pool.running:
+        if not is_attached(self.session.pool) or not self.session.pool.running:
             raise UsageError(
                 f"%fsdp {command}: no job is attached; attach to a running job with "
                 "%fsdp attach [FOLDER|SLURM_JOB_ID|NAME]"
             )
-        return self.pool
+        return self.session.pool
 
     @magic_arguments()
     @argument("target", nargs="?", default=None, help="the job's folder, SLURM job id or name")
@@ -64,12 +58,12 @@ class AttachMagics:
         """Attach to a running job started with python -m fsdp_interactive.attachable (or
         fsdp_interactive.attachable() in its script): %fsdp status, stacks and trace then
         read its ranks without stopping them; %fsdp pause stops them after a step."""
-        args = self._parse(self._fsdp_attach, rest, "attach")
-        if self.pool is not None and self.pool.running:
+        args = self.session.parse(self._fsdp_attach, rest, "attach")
+        if self.session.pool is not None and self.session.pool.running:
             what = (
-                f"job {self.pool.job}"
-                if is_attached(self.pool)
-                else f"a pool of {self.pool.world_size} ranks"
+                f"job {self.session.pool.job}"
+                if is_attached(self.session.pool)
+                else f"a pool of {self.session.pool.world_size} ranks"
             )
             raise UsageError(
                 f"%fsdp attach: this notebook already drives {what}; type %fsdp detach (or %fsdp stop) first"
@@ -81,7 +75,7 @@ class AttachMagics:
         from fsdp_interactive.pool import attach
 
         hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
-        self.pool = attach(
+        self.session.pool = attach(
             args.target,
             attach_dir=args.attach_dir,
             hosts=hosts,
@@ -90,7 +84,7 @@ class AttachMagics:
             hang_after=args.hang_after,
             wait=args.wait,
         )
-        job = self.pool
+        job = self.session.pool
         hosts = len({r.host for r in job.topology})
         print(
             f"attached to job {job.job} ({job.world_size} ranks on {hosts} "
@@ -114,7 +108,7 @@ class AttachMagics:
     def _fsdp_pause(self, rest: str) -> None:
         """Stop every rank of the attached job after the same optimizer step; %%fsdp cells,
         %fsdp pull, %fsdp snapshot and the views then run on its ranks."""
-        args = self._parse(self._fsdp_pause, rest, "pause")
+        args = self.session.parse(self._fsdp_pause, rest, "pause")
         job = self._require_job("pause")
         if args.at_step is not None and args.at_step < 1:
             raise UsageError(f"--at-step {args.at_step}: type an optimizer step number >= 1")
@@ -134,19 +128,21 @@ class AttachMagics:
 
     def _fsdp_resume(self, rest: str) -> None:
         """Let the paused job go on."""
-        if rest.strip():
-            raise UsageError("%fsdp resume takes no arguments; type just %fsdp resume")
+        self.session.no_arguments("resume", rest)
         job = self._require_job("resume")
         job.resume()
         print(f"job {job.job} runs on")
 
     def _fsdp_detach(self, rest: str) -> None:
         """Leave the attached job (resumed if paused); it runs on as if never attached."""
-        if rest.strip():
-            raise UsageError("%fsdp detach takes no arguments; type just %fsdp detach")
+        self.session.no_arguments("detach", rest)
+        self.detach()
+
+    def detach(self) -> None:
+        """Leave the attached job (``%fsdp detach``, and ``%fsdp stop`` of a job)."""
         job = self._require_job("detach")
         job.detach()
-        self.pool = None
+        self.session.pool = None
         print(f"detached from job {job.job}; it runs on as if never attached")
 
     @magic_arguments()
@@ -154,12 +150,12 @@ class AttachMagics:
     def _fsdp_stacks(self, rest: str) -> None:
         """Every rank's stack with source lines, without stopping any (a pool's ranks or
         an attached job's)."""
-        args = self._parse(self._fsdp_stacks, rest, "stacks")
-        stacks, where = self._require_pool().stacks(native=args.native)
+        args = self.session.parse(self._fsdp_stacks, rest, "stacks")
+        stacks, where = self.session.require_pool().stacks(native=args.native)
         for rank in sorted(stacks):
             print(f"--- rank {rank}: {where.get(rank, '')}")
             print(stacks[rank])
 
-    def _attached_status(self) -> None:
+    def status(self) -> None:
         """``%fsdp status`` of an attached job: every rank's state, and a hang if any."""
-        print("\n".join(self.pool.status().lines(notebook=True)))
+        print("\n".join(self.session.pool.status().lines(notebook=True)))

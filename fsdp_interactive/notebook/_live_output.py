@@ -11,7 +11,8 @@ Notebook side. Two surfaces, chosen by where the kernel runs (:func:`live_output
   replaces the stored output), so it holds each bar's final state, not its updates.
 * :class:`TextLiveOutput`, anywhere else (a terminal IPython, a script): the moving
   lines and bars of the ranks are drawn on the stream's last line with a carriage
-  return, one at a time (:class:`fsdp_interactive._status_line.StatusLines`).
+  return, one at a time: :class:`fsdp_interactive._status_line.StatusLines`, the surface
+  the pool prints its rank output on.
 
 Both take ordinary text through ``write`` (so that a text surface can keep its moving
 line below it) and a rank's displays through ``rich`` (shown at once; a rank's update
@@ -21,22 +22,19 @@ of a display it showed updates it here). Not done: ``clear_output`` from a rank.
 from __future__ import annotations
 
 import html
-import sys
-import uuid
 from collections.abc import Hashable
 from typing import Any
 
 from fsdp_interactive._bar_state import BarState
-from fsdp_interactive._status_line import StatusLines
+from fsdp_interactive._status_line import (
+    DisplayLine,
+    StatusLines,
+    in_kernel,
+    new_display_id,
+    standard_stream,
+)
 
 Key = Hashable
-
-
-def in_kernel() -> bool:
-    """Whether this runs in a Jupyter kernel (a front end that shows display updates)."""
-    from IPython import get_ipython
-
-    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def _publish(data: dict[str, Any], display_id: str, update: bool) -> None:
@@ -46,13 +44,9 @@ def _publish(data: dict[str, Any], display_id: str, update: bool) -> None:
 
 
 def _write(name: str, text: str) -> None:
-    out = sys.stderr if name == "stderr" else sys.stdout
+    out = standard_stream(name)
     out.write(text)
     out.flush()
-
-
-def _new_id() -> str:
-    return f"fsdp-interactive-{uuid.uuid4().hex}"
 
 
 def _html(text: str) -> str:
@@ -68,7 +62,7 @@ class WidgetBar:
         import ipywidgets
 
         self.tag = tag
-        self.display_id = _new_id()
+        self.display_id = new_display_id()
         self._left = ipywidgets.HTML()
         self._bar = ipywidgets.FloatProgress(min=0, max=1)
         self._right = ipywidgets.HTML()
@@ -111,25 +105,11 @@ class WidgetBar:
         _publish(self._bundle(self.last), self.display_id, update=True)
 
 
-class _TextDisplay:
-    """One ``text/plain`` display, updated in place."""
-
-    def __init__(self, text: str) -> None:
-        self.display_id = _new_id()
-        self.text = text
-        _publish({"text/plain": text}, self.display_id, update=False)
-
-    def update(self, text: str) -> None:
-        if text != self.text:
-            self.text = text
-            _publish({"text/plain": text}, self.display_id, update=True)
-
-
 class KernelLiveOutput:
     """Moving lines and bars as displays updated in place (in a Jupyter kernel)."""
 
     def __init__(self) -> None:
-        self._lines: dict[Key, _TextDisplay] = {}
+        self._lines: dict[Key, DisplayLine] = {}
         self._bars: dict[Key, WidgetBar] = {}
         self._shown: dict[tuple[int, str], str] = {}  # (rank, its display id) -> ours
 
@@ -137,17 +117,17 @@ class KernelLiveOutput:
         if text:
             _write(name, text)
 
-    def line(self, key: Key, stream: str, text: str) -> None:
+    def update(self, key: Key, stream: str, text: str) -> None:
         shown = self._lines.get(key)
         if shown is None:
-            self._lines[key] = _TextDisplay(text)
+            self._lines[key] = DisplayLine(text)
         else:
-            shown.update(text)
+            shown.show(text)
 
-    def end_line(self, key: Key, stream: str, text: str | None) -> None:
+    def end(self, key: Key, stream: str, text: str | None) -> None:
         shown = self._lines.pop(key, None)
         if shown is not None:
-            shown.update(text or "")
+            shown.show(text or "")
         elif text is not None:
             _write(stream, text + "\n")
 
@@ -174,7 +154,7 @@ class KernelLiveOutput:
         if update and ours is None:
             return
         if ours is None:
-            ours = self._shown[(rank, display_id)] = _new_id()
+            ours = self._shown[(rank, display_id)] = new_display_id()
         publish_display_data(
             data=content["data"],
             metadata=content.get("metadata"),
@@ -190,39 +170,18 @@ class KernelLiveOutput:
         self._bars.clear()
 
 
-class TextLiveOutput:
-    """Moving lines and bars on the streams' last line (a terminal, a script)."""
-
-    def __init__(self) -> None:
-        self._status = StatusLines(lambda name: sys.stderr if name == "stderr" else sys.stdout)
-
-    def write(self, name: str, text: str) -> None:
-        self._status.write(name, text)
-
-    def line(self, key: Key, stream: str, text: str) -> None:
-        self._status.update(key, stream, text)
-
-    def end_line(self, key: Key, stream: str, text: str | None) -> None:
-        self._status.end(key, stream, text)
-
-    def bar(self, key: Key, tag: str, state: BarState) -> None:
-        text = tag + state.text
-        if state.closed:
-            self._status.end(key, "stderr", text if state.leave else None)
-        else:
-            self._status.update(key, "stderr", text)
+class TextLiveOutput(StatusLines):
+    """Moving lines and bars on the streams' last line (a terminal, a script): the pool's
+    in-place surface, which also shows a rank's displays above its moving line."""
 
     def rich(
         self, rank: int, content: dict[str, Any], display_id: str | None, update: bool
     ) -> None:
         from IPython.display import publish_display_data
 
-        self._status.above(
+        self.above(
             lambda: publish_display_data(data=content["data"], metadata=content.get("metadata"))
         )
-
-    def close(self) -> None:
-        self._status.close()
 
 
 LiveOutput = KernelLiveOutput | TextLiveOutput

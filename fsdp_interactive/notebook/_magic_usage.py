@@ -69,9 +69,10 @@ def magic_usage(func: Any, name: str) -> MagicUsage:
     )
 
 
-def subcommand_usages(magics: type, commands: Iterable[str]) -> list[MagicUsage]:
-    """The usage of each ``%fsdp COMMAND`` of ``commands``, from ``magics._fsdp_COMMAND``."""
-    return [magic_usage(getattr(magics, f"_fsdp_{c}"), f"%fsdp {c}") for c in commands]
+def subcommand_usages(magics: Any, commands: Iterable[str]) -> list[MagicUsage]:
+    """The usage of each ``%fsdp COMMAND`` of ``commands``, from the function
+    ``magics.subcommand_function(COMMAND)`` (its parser)."""
+    return [magic_usage(magics.subcommand_function(c), f"%fsdp {c}") for c in commands]
 
 
 def line_magic_help(magics: type, commands: Iterable[str], summary: str) -> str:

@@ -1,8 +1,8 @@
 """``%fsdp snapshot``, ``%fsdp journal`` and ``%fsdp recover``: keeping the work through a
 fault, from the notebook.
 
-A part of :class:`~.magics.FsdpMagics` (a base class); ``%fsdp`` dispatches its
-subcommands here. The ranks take snapshots themselves (``fsdp_interactive.snapshot(...)``
+:class:`RecoveryCommands`, a group of :class:`~.magics.FsdpMagics`' subcommands
+(:mod:`._magic_session`); ``%fsdp`` dispatches them here. The ranks take snapshots themselves (``fsdp_interactive.snapshot(...)``
 in a training loop); these magics take one between cells, show what the pool recorded and
 bring the ranks back.
 """
@@ -19,24 +19,16 @@ from fsdp_interactive.notebook._magic_io import (
     pool_failures,
     shown_message,
 )
-from fsdp_interactive.notebook._snapshot_calls import (
+from fsdp_interactive.notebook._magic_session import Subcommands
+from fsdp_interactive.notebook._snapshot_taking import (
     SnapshotCallFailed,
     persist_snapshot,
     take_snapshot,
 )
 
 
-class RecoveryMagics:
+class RecoveryCommands(Subcommands):
     """The recovery subcommands of ``%fsdp``."""
-
-    pool: Any
-    shell: Any
-
-    def _require_pool(self) -> Any:
-        raise NotImplementedError
-
-    def _parse(self, func: Any, rest: str, command: str) -> Any:
-        raise NotImplementedError
 
     @magic_arguments()
     @argument(
@@ -71,8 +63,8 @@ class RecoveryMagics:
     def _fsdp_snapshot(self, rest: str) -> None:
         """Keep the ranks' training state in host memory (with a copy on the next host), for
         %fsdp recover; --persist also writes it to a checkpoint folder on disk."""
-        args = self._parse(self._fsdp_snapshot, rest, "snapshot")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_snapshot, rest, "snapshot")
+        pool = self.session.require_pool()
         if args.keep_last < 1:
             raise UsageError(f"--keep-last {args.keep_last}: type a number of snapshots >= 1")
         stateful = [name for name in args.stateful.split(",") if name]
@@ -101,7 +93,7 @@ class RecoveryMagics:
                 step=step,
                 keep_last=args.keep_last,
                 stateful=stateful,
-                cell=current_cell_number(self.shell),
+                cell=current_cell_number(self.session.shell),
                 shown=f"%fsdp snapshot {rest.strip()}",
             )
         except SnapshotCallFailed as error:
@@ -135,20 +127,20 @@ class RecoveryMagics:
     def _fsdp_journal(self, rest: str) -> None:
         """The cells that built the ranks' state: outcome, time, whether a recovery replays
         them and why, the snapshots they took; then what %fsdp recover would do now."""
-        args = self._parse(self._fsdp_journal, rest, "journal")
-        if self.pool is None:
+        args = self.session.parse(self._fsdp_journal, rest, "journal")
+        if self.session.pool is None:
             raise UsageError("no pool; start one with %fsdp start -n 2")
         if args.last is not None and args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of calls >= 1")
         # Read first: each in the row of the call that took it, with what the ranks reported.
-        snapshots = self.pool.snapshots()
-        print(self.pool.journal.table(last=args.last))
+        snapshots = self.session.pool.snapshots()
+        print(self.session.pool.journal.table(last=args.last))
         if snapshots:
             print("\nsnapshots: " + "; ".join(f"{s.describe()}: {s.holding}" for s in snapshots))
-        if snapshots and self.pool.state != "stopped":
+        if snapshots and self.session.pool.state != "stopped":
             print("\nwhat %fsdp recover would do now:")
             try:  # its checks may refuse (a snapshot no host holds): the journal still shows
-                self.pool.recover(dry_run=True)
+                self.session.pool.recover(dry_run=True)
             except pool_failures() as error:
                 print(f"nothing: it would refuse. {shown_message(error)}")
 
@@ -166,12 +158,12 @@ class RecoveryMagics:
         """Back to the last snapshot after a fault (or at any time): a fresh group, the cells
         that build what it restores replayed, the snapshot loaded; --world reshards onto
         another number of ranks, --dry-run prints the plan."""
-        args = self._parse(self._fsdp_recover, rest, "recover")
-        if self.pool is None:
+        args = self.session.parse(self._fsdp_recover, rest, "recover")
+        if self.session.pool is None:
             raise UsageError("no pool to recover; start one with %fsdp start -n 2")
         if args.world is not None and args.world < 1:
             raise UsageError(f"--world {args.world}: type a number of ranks >= 1")
         try:
-            self.pool.recover(args.source, world=args.world, dry_run=args.dry_run)
+            self.session.pool.recover(args.source, world=args.world, dry_run=args.dry_run)
         except ValueError as error:
             raise UsageError(f"%fsdp recover: {error}") from None

@@ -1,8 +1,8 @@
 """``%fsdp run``, ``%fsdp continue`` and ``%fsdp export``: torchrun scripts into the pool,
 and the notebook's session out as a job.
 
-A part of :class:`~.magics.FsdpMagics` (a base class); ``%fsdp`` dispatches its
-subcommands here. ``run`` and ``continue`` show the ranks' output as a ``%%fsdp`` cell
+:class:`ScriptCommands`, a group of :class:`~.magics.FsdpMagics`' subcommands
+(:mod:`._magic_session`); ``%fsdp`` dispatches them here. ``run`` and ``continue`` show the ranks' output as a ``%%fsdp`` cell
 does (rank 0's and every rank's errors, progress bars moving in place), then where the
 run stands and what it kept, in the words a notebook user types; ``export`` writes the
 script (:mod:`fsdp_interactive.pool._export`) and says how to launch it.
@@ -25,20 +25,12 @@ from fsdp_interactive.notebook._magic_io import (
     shown_as_message,
     stream_default,
 )
+from fsdp_interactive.notebook._magic_session import Subcommands
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
 
-class ScriptMagics:
+class ScriptCommands(Subcommands):
     """The script subcommands of ``%fsdp``."""
-
-    pool: Any
-    shell: Any
-
-    def _require_pool(self) -> Any:
-        raise NotImplementedError
-
-    def _parse(self, func: Any, rest: str, command: str) -> Any:
-        raise NotImplementedError
 
     @magic_arguments()
     @argument("--stop-at", type=int, default=None, metavar="N", help="pause after step N")
@@ -53,8 +45,8 @@ class ScriptMagics:
         group; what it built (its globals and its frames' locals) stays on the ranks.
         --stop-at N pauses every rank after its N-th optimizer step; the first interrupt
         pauses it at the next step, the second stops it."""
-        args = self._parse(self._fsdp_run, rest, "run")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_run, rest, "run")
+        pool = self.session.require_pool()
         if args.stop_at is not None and args.stop_at < 1:
             raise UsageError(f"--stop-at {args.stop_at}: type a step number >= 1")
         if not os.path.isfile(args.script):
@@ -74,7 +66,7 @@ class ScriptMagics:
                 cwd=args.cwd,
                 timeout=args.timeout,
                 on_output=sink,
-                cell=current_cell_number(self.shell),
+                cell=current_cell_number(self.session.shell),
                 journal_text=f"%fsdp run {rest.strip()}",
             ),
             hint_options=[a for a in args.args if a in ("--stop-at", "--targets", "--cwd")],
@@ -87,8 +79,8 @@ class ScriptMagics:
     def _fsdp_continue(self, rest: str) -> None:
         """Resume the paused script run, to its end or to the pause after step M (counted
         from the run's start); --stop ends it at its pause."""
-        args = self._parse(self._fsdp_continue, rest, "continue")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_continue, rest, "continue")
+        pool = self.session.require_pool()
         if args.stop and args.stop_at is not None:
             raise UsageError("%fsdp continue: type either --stop-at M or --stop, not both")
         if args.stop_at is not None and args.stop_at < 1:
@@ -111,7 +103,7 @@ class ScriptMagics:
                 stop=args.stop,
                 timeout=args.timeout,
                 on_output=sink,
-                cell=current_cell_number(self.shell),
+                cell=current_cell_number(self.session.shell),
                 journal_text=f"%fsdp continue {rest.strip()}".strip(),
             ),
         )
@@ -140,8 +132,8 @@ class ScriptMagics:
         script (and with --sbatch an sbatch file) that holds the same parameters and
         optimizer state bit for bit at the pool's world size; what cannot be carried is listed
         by cell with its reason, and nothing is written."""
-        args = self._parse(self._fsdp_export, rest, "export")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_export, rest, "export")
+        pool = self.session.require_pool()
         if args.from_snapshot and args.from_checkpoint:
             raise UsageError(
                 "%fsdp export: type either --from-snapshot ID or --from-checkpoint DIR, not both"

@@ -33,7 +33,7 @@ import dataclasses
 from typing import Any
 
 from fsdp_interactive._bar_state import BarState, bar_of
-from fsdp_interactive._lines import LineBuffer
+from fsdp_interactive._lines import RankLines, rank_tag
 from fsdp_interactive.notebook._cell_output import StderrLines
 from fsdp_interactive.notebook._live_output import LiveOutput, live_output
 from fsdp_interactive.pool import HangNotice, RankDied, RankDisplay, RankInterrupted
@@ -83,15 +83,26 @@ class StreamSink:
         self._displays: dict[int, list[dict[str, Any]]] = {}
         self._display_at: dict[tuple[int, str], int] = {}
         self._bars: dict[int, dict[str, BarState]] = {}
-        self._line_buffers: dict[tuple[int, str], LineBuffer] = {}
-        self._moving: set[tuple[int, str]] = set()
         self._stderr = StderrLines(ranks, self._write_stderr)
+        self._lines: RankLines | None = None
 
     @property
     def output(self) -> LiveOutput:
         if self._output is None:
             self._output = live_output()
         return self._output
+
+    @property
+    def lines(self) -> RankLines:
+        """The ranks' streams cut into lines, shown on :attr:`output` (made on first use)."""
+        if self._lines is None:
+            self._lines = RankLines(
+                self.output,
+                tagged=self.all_ranks,
+                moves=lambda rank, stream: self._shows_all_of(rank),
+                lines=self._show_lines,
+            )
+        return self._lines
 
     def _write_stderr(self, text: str) -> None:
         self.output.write("stderr", text)
@@ -100,10 +111,9 @@ class StreamSink:
         """Whether the rank's own output (stdout, progress, displays) is shown."""
         return self.all_ranks or rank == self.first_rank
 
-    def _tag(self, rank: int, name: str) -> str:
-        if not self.all_ranks:
-            return ""
-        return f"[rank {rank}] " if name == "stdout" else f"[rank {rank}:{name}] "
+    def _tag(self, rank: int) -> str:
+        """The tag of a rank's bars: ``[rank N] `` when every rank is shown."""
+        return rank_tag(rank, "stdout") if self.all_ranks else ""
 
     # ------------------------------------------------------------------ streams
 
@@ -111,48 +121,20 @@ class StreamSink:
         self._received.setdefault((rank, name), []).append(text)
         if not self.live:
             return
-        key = (rank, name)
-        shown = self._shows_all_of(rank)
-        if not shown and name == "stdout":
+        if not self._shows_all_of(rank) and name == "stdout":
             return  # nothing of it is shown while the cell runs (it is kept above)
-        buffer = self._line_buffers.setdefault(key, LineBuffer())
-        done = buffer.feed_plain(text) if key not in self._moving else None
-        if done is not None:  # the common chunk: whole lines, no carriage return
-            self._show_plain_text(rank, name, done)
-            return
-        tag = self._tag(rank, name)
-        plain: list[str] = []
-        for line in buffer.feed(text):
-            if key in self._moving:
-                self._show_plain(rank, name, plain)
-                self._moving.discard(key)
-                self.output.end_line((rank, "line", name), name, tag + line.text)
-            elif line.rewritten:
-                if shown:  # a progress line that ended before it was seen moving
-                    self._show_plain(rank, name, plain)
-                    self._show_finished_progress(rank, name, tag + line.text)
-            else:
-                plain.append(line.text)
-        self._show_plain(rank, name, plain)
-        current = buffer.current()
-        if shown and current is not None and current.rewritten:
-            self._moving.add(key)
-            self.output.line((rank, "line", name), name, tag + current.text)
+        self.lines.feed(rank, name, text)
 
-    def _show_plain(self, rank: int, name: str, lines: list[str]) -> None:
-        """Show complete lines that are not progress lines (and forget them)."""
-        if lines:
-            self._show_plain_text(rank, name, "".join(f"{line}\n" for line in lines))
-            lines.clear()
-
-    def _show_plain_text(self, rank: int, name: str, text: str) -> None:
-        """Show ``text``, complete lines that are not progress lines."""
-        if not text:
-            return
-        if name == "stderr":
+    def _show_lines(self, rank: int, name: str, text: str, progress: bool) -> None:
+        """Show complete lines of a rank's stream (``progress``: one progress line that
+        ended, shown for a rank whose output is shown)."""
+        if progress:
+            if self._shows_all_of(rank):
+                self._show_finished_progress(rank, name, self.lines.tag(rank, name) + text[:-1])
+        elif name == "stderr":
             self._stderr.add(rank, text)
         elif self.all_ranks:
-            tag = self._tag(rank, name)
+            tag = self.lines.tag(rank, name)
             self.output.write(name, "".join(f"{tag}{line}\n" for line in text.split("\n")[:-1]))
         elif rank == self.first_rank:
             self.output.write(name, text)
@@ -172,8 +154,7 @@ class StreamSink:
         if state is not None and shown.display_id is not None:
             self._bars.setdefault(rank, {})[shown.display_id] = state
             if self.live and self._shows_all_of(rank):
-                tag = f"[rank {rank}] " if self.all_ranks else ""
-                self.output.bar((rank, "bar", shown.display_id), tag, state)
+                self.output.bar((rank, "bar", shown.display_id), self._tag(rank), state)
             return
         content = {"data": shown.data, "metadata": shown.metadata}
         kept = self._displays.setdefault(rank, [])
@@ -194,9 +175,9 @@ class StreamSink:
     def hang(self, notice: HangNotice | None) -> None:
         """Show a running cell's hang notice, updated in place (``None``: take it away)."""
         if notice is None:
-            self.output.end_line(HangNotice.LINE_KEY, "stderr", None)
+            self.output.end(HangNotice.LINE_KEY, "stderr", None)
         else:
-            self.output.line(HangNotice.LINE_KEY, "stderr", notice.text(notebook=True))
+            self.output.update(HangNotice.LINE_KEY, "stderr", notice.text(notebook=True))
 
     # ------------------------------------------------------------------ record
 
@@ -225,8 +206,7 @@ class StreamSink:
                 )
                 bars[display_id] = cut
                 if self.live and self._shows_all_of(rank):
-                    tag = f"[rank {rank}] " if self.all_ranks else ""
-                    self.output.bar((rank, "bar", display_id), tag, cut)
+                    self.output.bar((rank, "bar", display_id), self._tag(rank), cut)
 
     def flush(self, error: BaseException | None = None) -> None:
         """The cell ended: end partial lines, moving lines and open bars, in their last
@@ -236,19 +216,7 @@ class StreamSink:
             self._cut_bars(note)
         if not self.live:
             return
-        for key in sorted(self._line_buffers):
-            rank, name = key
-            line = self._line_buffers[key].flush()
-            if key in self._moving:
-                self._moving.discard(key)
-                text = self._tag(rank, name) + line.text if line is not None else None
-                if text is not None and note is not None:
-                    text += f"  [{note}]"
-                self.output.end_line((rank, "line", name), name, text)
-            elif line is not None and line.rewritten:
-                if self._shows_all_of(rank):
-                    self._show_finished_progress(rank, name, self._tag(rank, name) + line.text)
-            elif line is not None:
-                self._show_plain(rank, name, [line.text])
+        if self._lines is not None:
+            self._lines.flush(note)
         self._stderr.flush()
         self.output.close()

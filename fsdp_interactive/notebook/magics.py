@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from fsdp_interactive.notebook._attach_magics import AttachMagics, is_attached
+from fsdp_interactive.notebook._attach_magics import AttachCommands, is_attached
 from fsdp_interactive.notebook._cell_output import GROUPINGS, outputs_of, show_outputs
 from fsdp_interactive.notebook._magic_io import (
     cell_hang_notice,
@@ -30,9 +30,10 @@ from fsdp_interactive.notebook._magic_io import (
     shown_message,
     stream_default,
 )
+from fsdp_interactive.notebook._magic_session import MagicSession, subcommand
 from fsdp_interactive.notebook._magic_usage import line_magic_help, usage_line
-from fsdp_interactive.notebook._recovery_magics import RecoveryMagics
-from fsdp_interactive.notebook._script_magics import ScriptMagics, mark_cell
+from fsdp_interactive.notebook._recovery_magics import RecoveryCommands
+from fsdp_interactive.notebook._script_magics import ScriptCommands, mark_cell
 from fsdp_interactive.notebook._stream_sink import StreamSink
 
 _PULL_SCRATCH = "_fsdp_interactive_pulled"
@@ -97,31 +98,53 @@ def _rank_number(text: str) -> int:
 
 
 @magics_class
-class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
-    """The ``%fsdp`` family; one instance per IPython shell."""
+class FsdpMagics(Magics):
+    """The ``%fsdp`` family; one instance per IPython shell.
+
+    Its own subcommands (start, stop, status, push, pull, trace, debug, ...) are methods
+    here; the groups of the others are collaborators given the same :class:`MagicSession`
+    (the shell and the pool): :class:`AttachCommands`, :class:`RecoveryCommands`,
+    :class:`ScriptCommands`.
+    """
+
+    #: The classes whose methods run the subcommands this one does not (see :meth:`_fsdp`).
+    GROUPS = (AttachCommands, RecoveryCommands, ScriptCommands)
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.pool: Any = None
+        self.session = MagicSession(shell)
+        self.attach = AttachCommands(self.session)
+        self.recovery = RecoveryCommands(self.session)
+        self.scripts = ScriptCommands(self.session)
         self.auto = False
         self._warned_subset = False
         self._last_failed_rank = 0
 
-    # ------------------------------------------------------------------ helpers
+    @property
+    def pool(self) -> Any:
+        """The pool (or attached job) the magics drive; ``None`` before ``%fsdp start``."""
+        return self.session.pool
 
-    def _require_pool(self) -> Any:
-        if self.pool is None:
-            raise UsageError("no running pool; start one with %fsdp start -n 2")
-        if self.pool.state == "broken":
-            death = self.pool.check().death
-            what = f": {death.summary}" if death is not None else ""
-            steps = "%fsdp recover or %fsdp restart" if self.pool.snapshots() else "%fsdp restart"
-            raise UsageError(f"no running pool (a rank died{what}); type {steps}")
-        if not self.pool.running:
-            raise UsageError(
-                f"no running pool (the pool is {self.pool.state}); start one with %fsdp restart"
-            )
-        return self.pool
+    @pool.setter
+    def pool(self, pool: Any) -> None:
+        self.session.pool = pool
+
+    @classmethod
+    def subcommand_function(cls, command: str) -> Any:
+        """The function that runs ``%fsdp command`` (its parser documents it)."""
+        for owner in (cls, *cls.GROUPS):
+            function = subcommand(owner, command)
+            if function is not None:
+                return function
+        raise KeyError(command)
+
+    def _fsdp(self, command: str) -> Any:
+        """The bound method that runs ``%fsdp command``."""
+        for owner in (self, self.attach, self.recovery, self.scripts):
+            method = subcommand(owner, command)
+            if method is not None:
+                return method
+        raise KeyError(command)
 
     # ------------------------------------------------------------------ %fsdp
 
@@ -139,7 +162,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
                 + ", ".join(f"%fsdp {c}" for c in _SUBCOMMANDS)
             )
         try:
-            return getattr(self, f"_fsdp_{command}")(rest)
+            return self._fsdp(command)(rest)
         except pool_failures() as error:
             raise shown_as_message(error) from None
 
@@ -199,7 +222,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     def _fsdp_start(self, rest: str) -> None:
         """Start the pool: one rank per GPU with NCCL where the engines see GPUs, else CPU
         ranks with gloo (2 unless -n says otherwise); a topology table is shown."""
-        args = self._parse(self._fsdp_start, rest, "start")
+        args = self.session.parse(self._fsdp_start, rest, "start")
         hang_notice = cell_hang_notice(args.hang_notice, args.no_hang_notice, "%fsdp start")
         if self.pool is not None and self.pool.running:
             raise UsageError(
@@ -241,9 +264,9 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
 
     def _fsdp_stop(self, rest: str) -> None:
         """End the pool: its ranks, engines and controller (auto mode goes off)."""
-        self._no_arguments("stop", rest)
+        self.session.no_arguments("stop", rest)
         if is_attached(self.pool):
-            return self._fsdp_detach("")
+            return self.attach.detach()
         pool, self.pool = self.pool, None
         self._set_auto(False)
         if pool is None or pool.state == "stopped":
@@ -256,7 +279,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     def _fsdp_restart(self, rest: str) -> None:
         """A fresh process group on fresh ranks, without restarting the kernel; what the
         ranks held is gone (%fsdp recover brings a snapshot back instead)."""
-        self._no_arguments("restart", rest)
+        self.session.no_arguments("restart", rest)
         if self.pool is None:
             raise UsageError("no pool to restart; start one with %fsdp start -n 2")
         self.pool.restart()
@@ -267,19 +290,19 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
 
     def _fsdp_interrupt(self, rest: str) -> None:
         """SIGINT to the ranks, saying per rank whether it stopped."""
-        self._no_arguments("interrupt", rest)
-        report = self._require_pool().interrupt()
+        self.session.no_arguments("interrupt", rest)
+        report = self.session.require_pool().interrupt()
         print("\n".join(report.lines(notebook=True)))
 
     def _fsdp_status(self, rest: str) -> None:
         """The pool's state (a rank that died since the last cell shows here, with its host
         and signal), its topology and each rank's memory."""
-        self._no_arguments("status", rest)
+        self.session.no_arguments("status", rest)
         if self.pool is None:
             print("no pool; start one with %fsdp start -n 2")
             return
         if is_attached(self.pool):
-            return self._attached_status()
+            return self.attach.status()
         print("\n".join(self.pool.check().lines(notebook=True)))
         if not self.pool.running:
             return
@@ -297,10 +320,10 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     @argument("names", nargs="*", metavar="NAME", help="kernel variables to copy")
     def _fsdp_push(self, rest: str) -> None:
         """Copy kernel variables to every rank, under the same names."""
-        names = self._parse(self._fsdp_push, rest, "push").names
+        names = self.session.parse(self._fsdp_push, rest, "push").names
         if not names:
             raise UsageError("%fsdp push needs variable names: type e.g. %fsdp push lr batch_size")
-        pool = self._require_pool()
+        pool = self.session.require_pool()
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(
@@ -327,8 +350,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     def _fsdp_pull(self, rest: str) -> None:
         """Copy a rank's value to the kernel; DTensors and FSDP parameters arrive gathered as
         plain CPU tensors, refused above a size limit unless forced."""
-        args = self._parse(self._fsdp_pull, rest, "pull")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_pull, rest, "pull")
+        pool = self.session.require_pool()
         target = args.as_name or args.expr
         if not target.isidentifier():
             raise UsageError(
@@ -388,10 +411,10 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     def _fsdp_trace(self, rest: str) -> None:
         """Every rank's recent collectives (torch's flight recorder) and where the ranks
         disagree."""
-        args = self._parse(self._fsdp_trace, rest, "trace")
+        args = self.session.parse(self._fsdp_trace, rest, "trace")
         if args.last < 1:
             raise UsageError(f"--last {args.last}: type a number of collectives >= 1")
-        trace = self._require_pool().trace(last=args.last, issued_at=args.issued_at)
+        trace = self.session.require_pool().trace(last=args.last, issued_at=args.issued_at)
         if not args.plot:
             print(trace)
             return
@@ -418,8 +441,8 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
     )
     def _fsdp_debug(self, rest: str) -> None:
         """pdb on the frame where the last %%fsdp cell failed on a rank."""
-        args = self._parse(self._fsdp_debug, rest, "debug")
-        pool = self._require_pool()
+        args = self.session.parse(self._fsdp_debug, rest, "debug")
+        pool = self.session.require_pool()
         rank = self._last_failed_rank if args.rank is None else args.rank
         if not 0 <= rank < pool.world_size:
             raise UsageError(
@@ -443,19 +466,6 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
                 break
             output = pool.debug(rank, line)
             print(output, end="" if output.endswith("\n") or not output else "\n")
-
-    def _parse(self, func: Any, rest: str, command: str) -> Any:
-        try:
-            return parse_argstring(func, rest)
-        except UsageError as error:
-            raise UsageError(
-                f"%fsdp {command}: {error}\n{usage_line(func, f'%fsdp {command}')}"
-            ) from None
-
-    @staticmethod
-    def _no_arguments(command: str, rest: str) -> None:
-        if rest.strip():
-            raise UsageError(f"%fsdp {command} takes no arguments; type just %fsdp {command}")
 
     # ------------------------------------------------------------------ %%fsdp
 
@@ -540,7 +550,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
                 self.pool.run(cell, cell=current_cell_number(self.shell))
             except pool_failures() as error:
                 raise shown_as_message(error) from None
-        pool = self._require_pool()
+        pool = self.session.require_pool()
         targets = parse_targets(args.targets, pool.world_size)
         ranks = targets if targets is not None else list(range(pool.world_size))
         if targets is not None and len(ranks) < pool.world_size and not self._warned_subset:
@@ -607,7 +617,7 @@ class FsdpMagics(AttachMagics, RecoveryMagics, ScriptMagics, Magics):
                 f"type %fsdp_auto on or %fsdp_auto off\n{usage_line(self.fsdp_auto, '%fsdp_auto')}"
             ) from None
         if word == "on":
-            self._require_pool()
+            self.session.require_pool()
         self._set_auto(word == "on")
 
     def _set_auto(self, on: bool) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from fsdp_interactive._text import human_bytes, text_table
 from fsdp_interactive.notebook._error_note import ErrorNote
 from fsdp_interactive.notebook._format import html_table
-from fsdp_interactive.notebook._snapshot_calls import take_snapshot
+from fsdp_interactive.notebook._snapshot_taking import take_snapshot
 from fsdp_interactive.notebook._view import StatusView
 from fsdp_interactive.notebook.rank_model import RankModel
 

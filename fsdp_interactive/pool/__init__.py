@@ -22,8 +22,8 @@ from fsdp_interactive.pool._attached_job import AttachedJob, HangReport, JobStat
 from fsdp_interactive.pool._export import ExportPlan, ExportRefused
 from fsdp_interactive.pool._output import RankDisplay, RunResult, TaggedPrinter
 from fsdp_interactive.pool._pool import Pool
+from fsdp_interactive.pool._pool_state import PoolHealth, PoolState
 from fsdp_interactive.pool._script_calls import ScriptRunError, ScriptStatus
-from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.common._collectives import CollectiveTrace, RecorderDump
 from fsdp_interactive.pool.common._topology import RankRecord
 from fsdp_interactive.pool.diagnostics._hang_watch import HangNotice

@@ -208,7 +208,7 @@ def _multiline_strings(code: str) -> bool:
 
 def _snapshot_call(source: str) -> str | None:
     """``fsdp_interactive.snapshot(...)`` for the code ``%fsdp snapshot`` and the Snapshots
-    panel run (:mod:`fsdp_interactive.notebook._snapshot_calls`); ``None`` for other code."""
+    panel run (:mod:`fsdp_interactive.notebook._snapshot_taking`); ``None`` for other code."""
     if _SNAPSHOT_SCRATCH not in source:
         return None
     try:

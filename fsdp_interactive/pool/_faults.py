@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from fsdp_interactive.pool._journal import JournalEntry, outcome_of
+from fsdp_interactive.pool._pool_state import PoolHealth, PoolState
 from fsdp_interactive.pool._recovery import execute, make_plan
 from fsdp_interactive.pool._recovery_progress import RecoveryProgress
-from fsdp_interactive.pool._state import PoolHealth, PoolState
 from fsdp_interactive.pool.errors import (
     RECOVER,
     Advised,
@@ -160,7 +160,7 @@ class PoolFaults:
         self.lost_hosts = []
         error.recovered("\n".join([report.summary(), *report.names_lines()]), report.step)
         with self.recovering():  # what the views refresh never recovers again by itself
-            pool._recovered(report)
+            pool._recovery_watchers.tell(report)
 
     @contextlib.contextmanager
     def recovering(self) -> Iterator[None]:

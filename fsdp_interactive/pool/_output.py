@@ -19,14 +19,13 @@ stderr, while it is shown.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from fsdp_interactive._bar_state import MIME, bar_of
-from fsdp_interactive._lines import LineBuffer, final_text
-from fsdp_interactive._status_line import StatusLines
+from fsdp_interactive._lines import RankLines, final_text, rank_tag
+from fsdp_interactive._status_line import StatusLines, standard_stream
 from fsdp_interactive.pool._call_output import (
     CallOutput,
     RankDisplay,
@@ -77,54 +76,29 @@ class OutputPump:
 class TaggedPrinter:
     """Prints whole lines tagged by rank; progress lines and ``tqdm.auto`` bars move in
     place (``live``; otherwise they are printed in their final state only); ``flush()``
-    ends partial lines and live ones."""
+    ends partial lines and live ones.
+
+    The ranks' lines are cut and tagged by :class:`fsdp_interactive._lines.RankLines` and
+    drawn on :class:`fsdp_interactive._status_line.StatusLines`, as a cell's are outside
+    a kernel."""
 
     def __init__(
         self, stdout: TextIO | None = None, stderr: TextIO | None = None, *, live: bool = True
     ) -> None:
         self._files = {"stdout": stdout, "stderr": stderr}
         self._live = live
-        self._line_buffers: dict[tuple[int, str], LineBuffer] = {}
-        self._moving: set[tuple[int, str]] = set()
         self._bars: dict[tuple[int, str], str] = {}  # (rank, display id) -> last text
         self._status = StatusLines(self._file)
+        self._lines = RankLines(self._status, moves=lambda rank, stream: live)
 
     def _file(self, name: str) -> TextIO:
         chosen = self._files.get(name)
-        if chosen is not None:
-            return chosen
-        return sys.stderr if name == "stderr" else sys.stdout
+        return chosen if chosen is not None else standard_stream(name)
 
-    @staticmethod
-    def tag(rank: int, name: str) -> str:
-        """The prefix a line of ``rank``'s stream ``name`` is printed with: ``[rank 1] `` for
-        stdout, ``[rank 1:stderr] `` otherwise."""
-        return f"[rank {rank}] " if name == "stdout" else f"[rank {rank}:{name}] "
+    tag = staticmethod(rank_tag)
 
     def __call__(self, rank: int, name: str, text: str) -> None:
-        key = (rank, name)
-        buffer = self._line_buffers.setdefault(key, LineBuffer())
-        tag = self.tag(rank, name)
-        plain = buffer.feed_plain(text) if key not in self._moving else None
-        if plain is not None:  # the common chunk: whole lines, no carriage return
-            if plain:
-                self._status.write(
-                    name, "".join(f"{tag}{line}\n" for line in plain.split("\n")[:-1])
-                )
-            return
-        done: list[str] = []
-        for line in buffer.feed(text):
-            if key in self._moving:
-                self._moving.discard(key)
-                self._status.end((rank, "line", name), name, tag + line.text)
-            else:
-                done.append(f"{tag}{line.text}\n")
-        if done:
-            self._status.write(name, "".join(done))
-        current = buffer.current()
-        if self._live and current is not None and current.rewritten:
-            self._moving.add(key)
-            self._status.update((rank, "line", name), name, tag + current.text)
+        self._lines.feed(rank, name, text)
 
     def display(self, rank: int, shown: RankDisplay) -> None:
         """A ``tqdm.auto`` bar's state moves in place like a progress line; other
@@ -132,14 +106,13 @@ class TaggedPrinter:
         state = bar_of(shown.data)
         if state is None or shown.display_id is None:
             return
-        key = (rank, "bar", shown.display_id)
-        text = f"[rank {rank}] {state.text}"
-        self._bars[(rank, shown.display_id)] = text
+        tag = rank_tag(rank, "stdout")
         if state.closed:
-            del self._bars[(rank, shown.display_id)]
-            self._status.end(key, "stderr", text if state.leave else None)
-        elif self._live:
-            self._status.update(key, "stderr", text)
+            self._bars.pop((rank, shown.display_id), None)
+        else:
+            self._bars[(rank, shown.display_id)] = tag + state.text
+        if state.closed or self._live:
+            self._status.bar((rank, "bar", shown.display_id), tag, state)
 
     def hang(self, notice: HangNotice | None) -> None:
         """Show a running call's hang notice on stderr's moving line, in API calls
@@ -152,15 +125,7 @@ class TaggedPrinter:
     def flush(self) -> None:
         """Print what is still buffered: each stream's unfinished last line, and the final state of
         lines that moved in place."""
-        for key in sorted(self._line_buffers):
-            line = self._line_buffers[key].flush()
-            rank, name = key
-            if key in self._moving:
-                self._moving.discard(key)
-                final = self.tag(rank, name) + line.text if line is not None else None
-                self._status.end((rank, "line", name), name, final)
-            elif line is not None:
-                self._status.write(name, f"{self.tag(rank, name)}{line.text}\n")
+        self._lines.flush()
         for (rank, display_id), text in sorted(self._bars.items()):
             self._status.end((rank, "bar", display_id), "stderr", text)
         self._bars.clear()

@@ -10,15 +10,17 @@ while ranks still run an earlier call); ``stacks()``, ``trace()``, ``debug()`` a
 brings the ranks back to a snapshot after a fault; ``stop()`` ends exactly the processes
 the pool started, also at interpreter exit or (through a reaper) when the kernel dies.
 
-The pool is a facade over parts that each live in the folder that says where they run:
-:mod:`._placement` (ranks, devices, backend), :mod:`._rendezvous` (forming the group),
-:mod:`._live_group` and :mod:`._dispatch` (a formed group and its calls),
-:mod:`._journal`, :mod:`._snapshots`, :mod:`._faults`, :mod:`._fault_calls` and
-:mod:`._recovery` (what keeps the work through a fault), ``processes/`` (starting,
-forking, watching and ending engines, on this host and others), ``rank/`` (what runs
-inside every engine) and ``diagnostics/``
-(stacks, timeouts, deaths, interrupts, the debugger). Its states are
-:class:`~._state.PoolState`.
+One class, a facade: its calls (start, run, call, push, pull, the fault calls ``check``,
+``recover``, ``snapshots`` and the debugging calls ``stacks``, ``trace``, ``debug``,
+``interrupt``) are its methods, each handing the work to the part that holds it, in the
+folder that says where it runs: :mod:`._placement` (ranks, devices, backend),
+:mod:`._rendezvous` (forming the group), :mod:`._live_group` and :mod:`._dispatch` (a formed
+group and its calls), :mod:`._journal`, :mod:`._snapshots`, :mod:`._faults` and
+:mod:`._recovery` (what keeps the work through a fault), :mod:`._script_calls` and
+:mod:`._export` (scripts in and out), ``processes/`` (starting, forking, watching and
+ending engines, on this host and others), ``rank/`` (what runs inside every engine) and
+``diagnostics/`` (stacks, timeouts, deaths, interrupts, the debugger). Its states are
+:class:`~._pool_state.PoolState`.
 
 Not done: restarting a single rank (a group cannot take a rank back; the whole group is
 restarted or recovered).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -35,31 +38,34 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fsdp_interactive import _owner_key
-from fsdp_interactive.pool import _cell_imports, _export, _script_calls, _stray_comms
+from fsdp_interactive.checkpoint._format import _owner_key
+from fsdp_interactive.pool import _cell_imports, _export, _recovery, _script_calls, _stray_comms
 from fsdp_interactive.pool._call_output import send_requests
-from fsdp_interactive.pool._debugging import DebuggingCalls
 from fsdp_interactive.pool._dispatch import (
     PendingCall,
     Targets,
     check_timeout,
     resolve_targets,
 )
-from fsdp_interactive.pool._fault_calls import FaultCalls
 from fsdp_interactive.pool._faults import PoolFaults
 from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._live_group import LiveGroup
 from fsdp_interactive.pool._options import check_options, flight_recorder_entries
 from fsdp_interactive.pool._output import OutputSink, RunResult, run_result
 from fsdp_interactive.pool._placement import check_request, oversubscription, plan
+from fsdp_interactive.pool._pool_state import PoolHealth, PoolState
+from fsdp_interactive.pool._recovery import RecoveryPlan
+from fsdp_interactive.pool._recovery_report import RecoveryReport, RecoveryWatchers
 from fsdp_interactive.pool._rendezvous import Rendezvous, connect_client
-from fsdp_interactive.pool._snapshots import SnapshotBook
+from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo
 from fsdp_interactive.pool._start_progress import StartProgress, describe_ranks
-from fsdp_interactive.pool._state import PoolState
 from fsdp_interactive.pool.common import _hosts, _logs, _snapshot_root
+from fsdp_interactive.pool.common._collectives import CollectiveTrace
 from fsdp_interactive.pool.common._topology import RankRecord, format_table
 from fsdp_interactive.pool.diagnostics._hang_watch import DEFAULT_AFTER_S as DEFAULT_HANG_NOTICE_S
 from fsdp_interactive.pool.diagnostics._hang_watch import threshold as hang_threshold
+from fsdp_interactive.pool.diagnostics._interrupt import InterruptReport
+from fsdp_interactive.pool.diagnostics._post_mortem import DebuggerOutput, debug_command
 from fsdp_interactive.pool.errors import (
     RECOVER,
     RESTART,
@@ -68,7 +74,7 @@ from fsdp_interactive.pool.errors import (
 )
 from fsdp_interactive.pool.processes._channels import INSECURE_NOTE, check_connected_channels
 from fsdp_interactive.pool.processes._launched import BROKEN_STOP_TIMEOUT_S, LaunchedProcesses
-from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_calls
+from fsdp_interactive.pool.rank import _engine_shell, _results, _snapshot_functions
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ def _checkpoint_key_env() -> dict[str, str]:
         return {}
 
 
-class Pool(FaultCalls, DebuggingCalls):
+class Pool:
     """A pool of ``n`` engines, each one ``torch.distributed`` rank.
 
     Parameters
@@ -239,6 +245,7 @@ class Pool(FaultCalls, DebuggingCalls):
         self._client: Any = None
         self._live: LiveGroup | None = None
         self._faults = PoolFaults(self)
+        self._recovery_watchers = RecoveryWatchers()
         #: True after an interrupt landed inside a collective (torch.distributed, or NCCL work
         #: left unfinished on a GPU); restart() clears it.
         self.needs_restart = False
@@ -459,7 +466,7 @@ class Pool(FaultCalls, DebuggingCalls):
         self._faults.finish_cleanup()
         if self.running:
             try:
-                self.call(_snapshot_calls.drop_here, timeout=30)
+                self.call(_snapshot_functions.drop_here, timeout=30)
             except Exception as error:  # the forkers and the lines below still free them
                 log.debug("the ranks could not free their hosts' snapshots: %s", error)
         self._faults.finish_cleanup()  # a rank found dead just now: its teardown first
@@ -761,6 +768,124 @@ class Pool(FaultCalls, DebuggingCalls):
         handles = {r: view.apply_async(_engine_shell.pull, name) for r, view in views.items()}
         with self._faults.outcome(None):
             return self._pending(handles).wait()
+
+    # ------------------------------------------------------------------ faults
+
+    def check(self) -> PoolHealth:
+        """Whether every rank still runs. Ranks that died since the last call (and engine
+        forkers that ended) are noticed here, as before every call: a group that lost a
+        rank is torn down, and the next call raises its :class:`RankDied` instead of
+        running. Returns the :class:`PoolHealth` found (``death``: that error)."""
+        return self._faults.notice()
+
+    def recover(
+        self,
+        from_: str | os.PathLike | None = None,
+        *,
+        world: int | None = None,
+        dry_run: bool = False,
+        say: Callable[[str], None] | None = None,
+    ) -> RecoveryReport | RecoveryPlan:
+        """Bring the ranks back to a snapshot: after ``RankDied``, a wedged collective, a
+        lost host, or at any time.
+
+        Ends what is left of the group, starts a fresh one (on the hosts that remain; on
+        ``world`` ranks when given, resharding), replays the journal's calls that rebuild the
+        objects the snapshot restores into (the slice, :mod:`._slice`; the plan says each
+        call's part and why), and loads the snapshot into them (model, optimizer, RNG,
+        stateful objects). ``from_``: a snapshot id (default: the newest) or a checkpoint
+        folder. ``dry_run``: only return (and print) the plan, after the same checks.
+        Prints its progress (``say``: hands each line to it instead) and returns a
+        :class:`RecoveryReport` (the snapshot's step and age, the calls replayed, each
+        phase's seconds). Raises :class:`RecoveryError` with the pool as it was for
+        what the checks refuse before anything ends (nothing to recover to, a folder that
+        is not a snapshot, a damaged record, one that does not fit the live objects: see
+        :mod:`._recovery_checks`); when a replayed call fails, the pool then runs a fresh,
+        empty group. See :mod:`._recovery`.
+        """
+        return _recovery.recover(self, from_, world, dry_run=dry_run, say=say)
+
+    def when_recovered(self, callback: Callable[[RecoveryReport], None]) -> None:
+        """Call ``callback(report)`` after every recovery that succeeds (by
+        :meth:`recover`, or by itself with ``recover="auto"``): what a view of the ranks
+        refreshes on. A bound method is held weakly (a view that is gone is not called);
+        a callback that raises is logged and does not fail the recovery."""
+        self._recovery_watchers.add(callback)
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots the kernel heard of, oldest first (see :mod:`._snapshots`)."""
+        self._faults.take_notices()
+        return self._snapshot_book.all()
+
+    # ------------------------------------------------------------------ debugging
+
+    def interrupt(self, targets: Targets = None) -> InterruptReport:
+        """Send SIGINT to the targeted ranks (through ipyparallel's nanny); say what it did.
+
+        When ranks still run a call that timed out or was interrupted, waits up to
+        ``interrupt_grace`` seconds for those calls to end and reports per rank whether
+        it stopped; a rank blocked inside a collective cannot be freed by SIGINT (the
+        signal is handled only when the C++ call returns): it is reported as blocked
+        and the pool then needs ``restart()``. Called while another thread waits on a
+        call, it only signals (that call reports the outcome).
+        """
+        live = self._running()
+        report = live.interrupt(resolve_targets(targets, self.world_size), self.interrupt_grace)
+        if report.needs_restart:
+            self.needs_restart = True
+        return dataclasses.replace(report, snapshot_taken=bool(self.snapshots()))
+
+    def busy_ranks(self) -> list[int]:
+        """Ranks still running a call that timed out or was interrupted."""
+        try:
+            return self._running().unfinished.busy_ranks()
+        except PoolNotRunning:
+            return []
+
+    def stacks(
+        self, code: str | None = None, *, native: bool = False
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        """Every rank's current Python stack, without stopping any rank.
+
+        Returns ``(stacks, where)``: ``stacks[rank]`` in traceback order with each
+        frame's source line, and ``where[rank]`` a one-line summary. ``native=True``
+        appends py-spy's native (C/C++) frames of each rank's user thread, run on the
+        rank's host (needs py-spy there and ptrace permission; see
+        :func:`pool.rank._thread_stacks.native_stack`). Ranks answer through their diagnostics
+        agents; a rank whose agent cannot answer is asked by signal instead.
+        """
+        return self._running().stacks(code, native=native)
+
+    def trace(
+        self, last: int = 20, targets: Targets = None, *, issued_at: bool = False
+    ) -> CollectiveTrace:
+        """Every rank's recent collectives (torch's flight recorder) and where they disagree.
+
+        ``str()`` of the result is the findings ("rank 0 waits in barrier #12; rank 1
+        never issued #12 ...") and a table of the last ``last`` collectives per process
+        group, merged across ranks that agree. Works while ranks are busy or blocked.
+        ``issued_at=True`` adds the line that issued each collective; the first such call
+        makes torch load its stack symbolizer on every rank (about 1.4 s and 70 MB each).
+        """
+        live = self._running()
+        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+            raise ValueError(f"last must be a number of collectives >= 1, got {last!r}")
+        return live.trace(resolve_targets(targets, self.world_size), last, issued_at=issued_at)
+
+    def debug(self, rank: int, command: str | None = None) -> DebuggerOutput:
+        """Run one pdb ``command`` on the last exception a notebook cell raised on ``rank``.
+
+        The session lives on between calls (``up`` stays up) until ``q``; without a
+        command it starts (or shows where it stands). Returns pdb's output. Cells count
+        when run with ``run(..., cell=N)`` (as ``%%fsdp`` does). Raises ``PoolError`` when
+        the rank has no failure to look at.
+        """
+        live = self._running()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {rank!r}")
+        if command is not None and not isinstance(command, str):
+            raise TypeError(f"command must be a pdb command (str) or None, got {command!r}")
+        return debug_command(live.diagnosis.agents, rank, command, hold_s=self.pg_timeout)
 
     # ------------------------------------------------------------------ calls' plumbing
 

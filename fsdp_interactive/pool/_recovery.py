@@ -12,8 +12,8 @@ A recovery, in order (each phase timed in the :class:`RecoveryReport`):
 2. **end**: what is left of the group goes (ranks blocked in a wedged collective are
    killed); the host's engine forkers and the snapshots in host memory stay. Each host's
    forker first starts hashing its copy of the planned snapshot in a child
-   (:mod:`fsdp_interactive._prechecked`), with the CPU time that ending and starting
-   the group leave idle; the restore then hashes only the files it did not record (a
+   (:mod:`fsdp_interactive.checkpoint._format._prechecked`), with the CPU time that ending and
+   starting the group leave idle; the restore then hashes only the files it did not record (a
    precheck that dies, or a file changed since, costs the restore's own check, no more).
 3. **start**: a fresh group on the same placement (or the reduced one).
 4. **find**: the new ranks list the snapshots their hosts hold; the newest is taken when
@@ -42,12 +42,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_interactive.pool import _replay
 from fsdp_interactive.pool._journal import JournalEntry
+from fsdp_interactive.pool._pool_state import PoolState
 from fsdp_interactive.pool._recovery_checks import (
     FROM_FOLDER,
     TAKE_SNAPSHOT,
@@ -66,8 +67,8 @@ from fsdp_interactive.pool._recovery_report import (
 from fsdp_interactive.pool._script_record import replay_refusal
 from fsdp_interactive.pool._slice import Part, ReplaySlice, beside, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotInfo, held_snapshots
-from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
-from fsdp_interactive.pool.rank._snapshot_calls import restore_here
+from fsdp_interactive.pool.errors import RESTART, START, PoolNotRunning, RecoveryError, Step
+from fsdp_interactive.pool.rank._snapshot_functions import restore_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any
@@ -195,6 +196,43 @@ def _check_script_replays(
     why = replay_refusal(sliced.replay, taken_in, world, dropped)
     if why is not None:
         raise RecoveryError(f"cannot recover to the {target}: {why}; nothing was changed")
+
+
+def recover(
+    pool: Pool,
+    from_: str | os.PathLike | None,
+    world: int | None,
+    *,
+    dry_run: bool,
+    say: Callable[[str], None] | None,
+) -> RecoveryReport | RecoveryPlan:
+    """``pool.recover(from_, world=world, dry_run=dry_run, say=say)``: plan (the plan only
+    with ``dry_run``) and carry the plan out, each line printed (or handed to ``say``);
+    the pool's recovery watchers are told of a recovery that succeeds."""
+    if pool.state is PoolState.STOPPED:
+        raise PoolNotRunning("the pool is stopped (and its snapshots freed)", START)
+    shown = say or _print
+    with pool._faults.recovering():
+        pool._faults.notice()  # a rank dead since the last call: no check asks the ranks
+        try:
+            plan = make_plan(pool, from_, world)
+        except RecoveryError as refused:
+            planned = getattr(refused, "plan", None)
+            if dry_run and planned is not None:
+                shown(str(planned))
+            raise
+        if dry_run:
+            shown(str(plan))
+            return plan
+        report = execute(pool, plan, RecoveryProgress(say))
+        pool._faults.lost_hosts = []
+        shown(str(report))
+        pool._recovery_watchers.tell(report)
+    return report
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 def execute(pool: Pool, plan: RecoveryPlan, progress: RecoveryProgress) -> RecoveryReport:

@@ -16,7 +16,7 @@ tell is then found during the recovery, which tries an older snapshot or reports
 
 * a folder: each rank reads its manifest and DCP metadata and the record, and compares
   the record's model keys with those of the model it holds under the recorded name
-  (:func:`~.rank._snapshot_calls.check_folder_source`);
+  (:func:`~.rank._snapshot_functions.check_folder_source`);
 * a snapshot: some host of the group holds it, with an intact record (a snapshot whose
   record is damaged is not listed); without a named one, the hosts hold some snapshot.
 
@@ -46,7 +46,7 @@ from fsdp_interactive.pool._journal import Journal
 from fsdp_interactive.pool._slice import ReplaySlice, roots_of, slice_for
 from fsdp_interactive.pool._snapshots import SnapshotBook, SnapshotInfo, held_snapshots
 from fsdp_interactive.pool.errors import RESTART, RecoveryError, Step
-from fsdp_interactive.pool.rank._snapshot_calls import check_folder_source
+from fsdp_interactive.pool.rank._snapshot_functions import check_folder_source
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any

@@ -1,4 +1,5 @@
-"""What a recovery says it did (kernel side): :class:`RecoveryReport`.
+"""What a recovery says it did (kernel side): :class:`RecoveryReport`, and who is told
+(:class:`RecoveryWatchers`).
 
 Besides the snapshot, the calls replayed and each phase's seconds, the report names three
 sets of objects, so that nothing comes back, or stays away, without a word:
@@ -16,7 +17,10 @@ sets of objects, so that nothing comes back, or stays away, without a word:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,8 @@ from fsdp_interactive.pool._cell_effects import PREFILLED
 from fsdp_interactive.pool._journal import JournalEntry
 from fsdp_interactive.pool._slice import ReplaySlice
 from fsdp_interactive.pool._snapshots import SnapshotInfo
+
+log = logging.getLogger(__name__)
 
 #: Names listed in one line at most; the rest are counted.
 _SHOWN = 24
@@ -203,3 +209,31 @@ class RecoveryReport:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+class RecoveryWatchers:
+    """The callbacks told of every recovery that succeeds (``Pool.when_recovered``), by
+    ``recover()`` or by itself (``recover="auto"``): what a view of the ranks refreshes on.
+    A bound method is held weakly (a view that is gone is not called); a callback that
+    raises is logged and does not fail the recovery."""
+
+    def __init__(self) -> None:
+        self._held: list[Callable[[], Callable[[RecoveryReport], None] | None]] = []
+
+    def add(self, callback: Callable[[RecoveryReport], None]) -> None:
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        held = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda: callback)
+        self._held.append(held)
+
+    def tell(self, report: RecoveryReport) -> None:
+        """Call every callback still alive with ``report``."""
+        self._held[:] = [held for held in self._held if held() is not None]
+        for held in list(self._held):
+            callback = held()
+            if callback is None:
+                continue
+            try:
+                callback(report)
+            except Exception as error:
+                log.warning("a callback after the recovery failed: %s", error)

@@ -236,36 +236,39 @@ class Rendezvous:
 
         env = {**(socket_env() if single_host else {}), **self._engine_env}
         specs = {
-            slot.rank: {
-                "rank": slot.rank,
-                "world_size": n,
-                "local_rank": slot.local_rank,
-                "local_world_size": slot.local_world_size,
-                "master_addr": master_addr,
-                "master_port": port,
-                "store_file": store_file,
-                "backend": placement.backend,
-                "device": placement.device_for(slot.local_rank),
-                "cuda_devices": placement.visible_for(slot.local_world_size),
-                "pg_timeout_s": self._pg_timeout,
-                "env": env,
+            slot.rank: rank_side.JoinSpec(
+                rank=slot.rank,
+                world_size=n,
+                local_rank=slot.local_rank,
+                local_world_size=slot.local_world_size,
+                master_addr=master_addr,
+                master_port=port,
+                store_file=store_file,
+                backend=placement.backend,
+                device=placement.device_for(slot.local_rank),
+                cuda_devices=placement.visible_for(slot.local_world_size),
+                pg_timeout_s=self._pg_timeout,
+                env=env,
                 # Several hosts: each rank binds gloo/NCCL to the interface of its address.
-                "socket_address": None if single_host else slot.address,
-                "flight_recorder": self._flight_recorder,
-                "check_collectives": self._check_collectives,
+                socket_address=None if single_host else slot.address,
+                flight_recorder=self._flight_recorder,
+                check_collectives=self._check_collectives,
                 # Whose pool it is, and nothing secret: every user reads a process's title.
-                "title": f"fsdp-interactive rank {slot.rank}/{n}, kernel pid {os.getpid()}",
-                "agent": {
-                    "host": self._agent_host(single_host, slot.address),
-                    "nonce": nonce.hex(),
-                    "end_with_owner": self._owned,
-                },
-            }
+                title=f"fsdp-interactive rank {slot.rank}/{n}, kernel pid {os.getpid()}",
+            )
+            for slot in slots
+        }
+        agents = {
+            slot.rank: _engine_shell.AgentSpec(
+                host=self._agent_host(single_host, slot.address),
+                nonce=nonce.hex(),
+                end_with_owner=self._owned,
+            )
             for slot in slots
         }
         joined = self.gather_ranks(
             group.views,
-            lambda rank, view: view.apply_async(_engine_shell.join_pool, specs[rank]),
+            lambda rank, view: view.apply_async(_engine_shell.join_pool, specs[rank], agents[rank]),
             "forming the process group",
         )
         group.records = [

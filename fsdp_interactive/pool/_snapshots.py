@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fsdp_interactive._text import snapshot_objects
-from fsdp_interactive.pool.rank._snapshot_calls import held_here
+from fsdp_interactive.pool.rank._snapshot_functions import held_here
 
 #: A :class:`~._pool.Pool` (not imported: the pool imports this module).
 Pool = Any

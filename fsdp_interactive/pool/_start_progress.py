@@ -17,6 +17,7 @@ reached. A notice (an engine started once more, an insecure channel) is an ordin
 of stdout or stderr, shown in any case. With ``IPP_NONINTERACTIVE`` set (a batch run: nbval, papermill, as for
 ipyparallel's own progress) the phases are not shown.
 
+Both are :mod:`fsdp_interactive._status_line`'s, the surface the ranks' output moves on.
 The first line is written before anything is started. Not done here: deciding the
 phases (:meth:`pool.Pool.start` does).
 """
@@ -26,10 +27,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-import uuid
 from typing import Protocol, TextIO
 
-from fsdp_interactive._status_line import StatusLines
+from fsdp_interactive._status_line import DisplayLine, StatusLines, in_kernel, standard_stream
 
 _KEY = "start"
 
@@ -37,15 +37,6 @@ _KEY = "start"
 def interactive() -> bool:
     """Whether someone watches this process's output live (``IPP_NONINTERACTIVE`` unset)."""
     return os.environ.get("IPP_NONINTERACTIVE", "") in ("", "0")
-
-
-def _in_kernel() -> bool:
-    """Whether this runs in a Jupyter kernel (whose front end updates displays in place)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None
 
 
 class _Surface(Protocol):
@@ -67,7 +58,7 @@ class _TextLine:
     def _out(self, name: str = "line") -> TextIO:
         if name == "line":
             return self._stream if self._stream is not None else sys.stderr
-        return sys.stderr if name == "stderr" else sys.stdout
+        return standard_stream(name)
 
     def _terminal(self) -> bool:
         isatty = getattr(self._out(), "isatty", None)
@@ -91,27 +82,17 @@ class _TextLine:
         self._status.write(stream, text + "\n")
 
 
-class _KernelDisplay:
+class _KernelDisplay(DisplayLine):
     """The line as one display of a Jupyter kernel, updated in place."""
 
     def __init__(self) -> None:
-        self._id: str | None = None
-
-    def show(self, text: str) -> None:
-        from IPython.display import publish_display_data
-
-        update = self._id is not None
-        if self._id is None:
-            self._id = f"fsdp-interactive-start-{uuid.uuid4().hex}"
-        publish_display_data(
-            {"text/plain": text}, transient={"display_id": self._id}, update=update
-        )
+        super().__init__(kind="start")
 
     def end(self, text: str) -> None:
         self.show(text)
 
     def notice(self, text: str, stream: str) -> None:
-        print(text, file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+        print(text, file=standard_stream(stream), flush=True)
 
 
 class StartProgress:
@@ -200,7 +181,7 @@ def phase_line(stream: TextIO | None = None, moving: bool = True) -> _Surface:
     """Where a line of phases is shown (a start's, a recovery's): a display updated in
     place in a Jupyter kernel, else ``stream`` (default: the current ``sys.stderr``), as
     :class:`_TextLine` draws it."""
-    return _KernelDisplay() if stream is None and _in_kernel() else _TextLine(stream, moving)
+    return _KernelDisplay() if stream is None and in_kernel() else _TextLine(stream, moving)
 
 
 def describe_ranks(n: int | None, devices: object, backend: str | None) -> str:

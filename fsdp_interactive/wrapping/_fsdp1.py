@@ -20,8 +20,8 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from fsdp_interactive._torch_compat import fsdp1_flat_param, fsdp1_pieces, fsdp1_replicate_group
 from fsdp_interactive.fsdp.fully_sharded_data_parallel import FSDP_WRAPPED_MODULE
-from fsdp_interactive.wrapping._names import PathCleaner
 from fsdp_interactive.wrapping._param import FlatShard, world
+from fsdp_interactive.wrapping._path_cleaner import PathCleaner
 from fsdp_interactive.wrapping._refusal import UnsupportedWrapping
 
 

@@ -20,13 +20,18 @@ from fsdp_interactive._torch_compat import (
     padded_shard_numels,
 )
 from fsdp_interactive.wrapping._fsdp1 import Fsdp1Index, Fsdp1Original, index_fsdp1
-from fsdp_interactive.wrapping._names import PathCleaner, peel, registered_parameters, wrapped_inner
 from fsdp_interactive.wrapping._param import (
     FlatShardParam,
     OriginalParam,
     ShardedParam,
     WholeParam,
     world,
+)
+from fsdp_interactive.wrapping._path_cleaner import (
+    PathCleaner,
+    peel,
+    registered_parameters,
+    wrapped_inner,
 )
 from fsdp_interactive.wrapping._refusal import (
     FOREIGN_PARTITION_MARKS,

@@ -132,7 +132,7 @@ def reseal(folder: Any) -> None:
     the seal is then what refuses it (another user's change fails the seal first)."""
     from pathlib import Path
 
-    from fsdp_interactive.checkpoint import _owner_seal
+    from fsdp_interactive.checkpoint._format import _owner_seal
 
     folder = Path(folder)
     extra = folder / "extra.json"

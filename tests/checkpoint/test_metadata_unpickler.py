@@ -14,12 +14,14 @@ import copyreg
 import enum
 import io
 import pickle
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_interactive.checkpoint import _safe_reader
+from fsdp_interactive.checkpoint._format import _safe_reader
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 ENCODING = _safe_reader._allowed_globals()[
@@ -110,3 +112,26 @@ def test_an_enum_the_metadata_never_holds_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(data)
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata: cannot read DCP metadata"):
         _safe_reader.read_metadata(tmp_path)
+
+
+def _pickled_from(module: str, cls: type, value: object, monkeypatch) -> bytes:
+    """``value`` pickled as pickle would when ``cls`` lived in ``module``."""
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, module, types.SimpleNamespace(**{cls.__name__: cls}))
+        patch.setattr(cls, "__module__", module)
+        return pickle.dumps(value)
+
+
+def test_a_raw_extent_pickled_under_its_earlier_module_loads(monkeypatch):
+    """Snapshots persisted before the format's modules moved name the raw format's extent
+    by its earlier module; they still read back, as the same class."""
+    from fsdp_interactive.checkpoint._format._raw_storage import RawExtent
+
+    extent = RawExtent("__0_0.distcp", 16, 8)
+    earlier = _pickled_from(_safe_reader._EARLIER_RAW_STORAGE, RawExtent, extent, monkeypatch)
+    assert _safe_reader._EARLIER_RAW_STORAGE.encode() in earlier
+    assert _load(earlier) == extent == _load(pickle.dumps(extent))
+    # A module of the package that never held it is refused.
+    elsewhere = _pickled_from("fsdp_interactive.checkpoint._load", RawExtent, extent, monkeypatch)
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load global"):
+        _load(elsewhere)

@@ -1,5 +1,5 @@
-"""Checksums taken ahead of a restore (:mod:`fsdp_interactive._prechecked`): a restore takes
-a recorded checksum only while the file is provably the one that was hashed, so damage
+"""Checksums taken ahead of a restore (:mod:`fsdp_interactive.checkpoint._format._prechecked`): a
+restore takes a recorded checksum only while the file is provably the one that was hashed, so damage
 after the precheck is still caught, and a record that cannot be trusted is ignored."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive import _prechecked
-from fsdp_interactive._checksums import XXH3_64, checksum_of
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint._format import _manifest, _prechecked
+from fsdp_interactive.checkpoint._format._checksums import XXH3_64, checksum_of
 from tests.checkpoint import _snapshots as s
 
 FILES = {".metadata", "__0_0.distcp", "__1_0.distcp"}
@@ -173,7 +172,7 @@ def test_a_precheck_refuses_a_folder_that_is_not_private(tmp_path):
 
 _KILLED_MID_HASH = """
 import sys, time
-from fsdp_interactive import _prechecked
+from fsdp_interactive.checkpoint._format import _prechecked
 def hash_slowly(fd, algorithm):
     print("hashing", flush=True)
     time.sleep(600)

@@ -131,7 +131,7 @@ def test_background_snapshot_keeps_the_state_of_the_call(ranks2, tmp_path):
 
 
 def _background_failures(root: str) -> dict:
-    from fsdp_interactive.checkpoint._raw_storage import RawWriter
+    from fsdp_interactive.checkpoint._format._raw_storage import RawWriter
     from fsdp_interactive.checkpoint._snapshot import _store
 
     s.place(root)

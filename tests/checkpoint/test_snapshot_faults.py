@@ -26,7 +26,8 @@ HOSTS = ["host-a", "host-b"]
 def _fault(point: str, kill: bool) -> Iterator[None]:
     """Make rank 1 fail at ``point`` of the snapshot taken inside: raise there, or SIGKILL
     itself. The real functions are put back afterwards."""
-    from fsdp_interactive.checkpoint import _layout, _raw_storage
+    from fsdp_interactive.checkpoint import _checkpoint_folders
+    from fsdp_interactive.checkpoint._format import _raw_storage
     from fsdp_interactive.checkpoint._snapshot import _store, _transfer
 
     def fail(error: Exception) -> None:
@@ -56,7 +57,7 @@ def _fault(point: str, kill: bool) -> Iterator[None]:
         # writing manifest.json and snapshot.json
         "describe": (_store, "write_descriptions", lambda *a: fail(OSError("no space left"))),
         # the rename that publishes host-b's folder
-        "publish": (_layout, "publish", lambda *a: fail(OSError("rename failed"))),
+        "publish": (_checkpoint_folders, "publish", lambda *a: fail(OSError("rename failed"))),
         # after every host published, before host-b rotated
         "rotate": (_store, "rotate", lambda *a: fail(OSError("cannot remove"))),
     }[point]

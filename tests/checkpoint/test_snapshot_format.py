@@ -16,15 +16,16 @@ import pytest
 import torch.distributed as dist
 import xxhash
 
-from fsdp_interactive._checksums import XXH3_64, checksum_of, new_checksum
-from fsdp_interactive.checkpoint import _load, _manifest, _safe_reader
+from fsdp_interactive.checkpoint import _load
+from fsdp_interactive.checkpoint._format import _manifest, _safe_reader
+from fsdp_interactive.checkpoint._format._checksums import XXH3_64, checksum_of, new_checksum
 from fsdp_interactive.fsdp import _fqn_state
 from tests.checkpoint import _snapshots as s
 
 
 def _raw_items(folder: Path, name: str) -> dict:
     """Per item of the file ``name``: whether a tensor item's bytes are just its elements."""
-    from fsdp_interactive.checkpoint._safe_reader import read_metadata
+    from fsdp_interactive.checkpoint._format._safe_reader import read_metadata
 
     metadata = read_metadata(folder)
     chunks = {}

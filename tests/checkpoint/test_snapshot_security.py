@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_interactive import checkpoint as ck
-from fsdp_interactive._checksums import checksum_of
-from fsdp_interactive.checkpoint._snapshot import _place, _plan, _seal
+from fsdp_interactive.checkpoint._format import _snapshot_seal
+from fsdp_interactive.checkpoint._format._checksums import checksum_of
+from fsdp_interactive.checkpoint._snapshot import _place, _plan
 from tests.checkpoint import _snapshots as s
 from tests.checkpoint._common import reseal
 from tests.hostile_files import in_time, peak_rss_bytes, put_in_place
@@ -199,7 +200,7 @@ def test_a_manifest_naming_a_path_outside_its_folder_is_refused_not_followed(mon
         _add_traversal(folder)
         # Sealed again with the pool's key: the entry is refused by its name, not the seal.
         texts = {n: (folder / n).read_text() for n in ("manifest.json", "snapshot.json")}
-        seal = _seal.seal(bytes.fromhex(s.TEST_KEY), record.id, *texts.values())
+        seal = _snapshot_seal.seal(bytes.fromhex(s.TEST_KEY), record.id, *texts.values())
         (folder / "seal.json").write_text(seal)
         with pytest.raises(ck.CorruptCheckpointError) as refused:
             in_time(lambda: ck.restore_snapshot(record.id, {}, objects={"model": _model()}))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint._manifest import SNAPSHOT_CHECKSUM, FileRecord
+from fsdp_interactive.checkpoint._format._checksums import checksum_of
+from fsdp_interactive.checkpoint._format._manifest import SNAPSHOT_CHECKSUM, FileRecord
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
 
 

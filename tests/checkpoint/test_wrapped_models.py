@@ -54,7 +54,7 @@ def _save_then_load(kind: str, path: str) -> dict[str, Any]:
 
 
 def _model_keys(path: str) -> list[str]:
-    from fsdp_interactive.checkpoint._safe_reader import read_metadata, section_paths
+    from fsdp_interactive.checkpoint._format._safe_reader import read_metadata, section_paths
 
     return sorted(p[1] for p in section_paths(read_metadata(Path(path)), "model").values())
 

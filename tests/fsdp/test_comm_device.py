@@ -87,16 +87,18 @@ def test_gathers_of_cpu_offloaded_shards_run_on_the_communication_device(ranks2)
 
 
 def gradient_flags_collective() -> dict:
-    from fsdp_interactive.fsdp import _summon
+    from fsdp_interactive.fsdp import _summon_full_params
     from fsdp_interactive.fsdp._traversal import owned_modules
     from fsdp_interactive.fsdp._unit_state import unit_state
 
     model, _ = _offloaded()
     state = unit_state(model.blocks[0])
     group = state.config.layout.shard_group
-    slots = _summon.sharded_slots(owned_modules(state.sharded_module, state.ignored.modules))
+    slots = _summon_full_params.sharded_slots(
+        owned_modules(state.sharded_module, state.ignored.modules)
+    )
     asked: list = []
-    reached = first_collective(lambda: _summon._gather_grads(slots, group), asked)
+    reached = first_collective(lambda: _summon_full_params._gather_grads(slots, group), asked)
     return {
         "collective": reached.name,
         "devices": reached.devices,

@@ -57,18 +57,18 @@ def test_probes_work_on_the_wrapper(ranks2):
 
 def _summoned_units():
     """Which units summon_stats/edit_param gather: a nested unit's parameter, a root's."""
-    from fsdp_interactive.inspect import _summon
+    from fsdp_interactive.inspect import _summon_stats
 
     model, reference = wrapped_and_reference()
     summoned: list[str] = []
     names = {id(m): name for name, m in model.named_modules()}
-    real = _summon.summon_full_params
+    real = _summon_stats.summon_full_params
 
     def spy(module, *args, **kwargs):
         summoned.append(names[id(module)])
         return real(module, *args, **kwargs)
 
-    _summon.summon_full_params = spy
+    _summon_stats.summon_full_params = spy
     try:
         nested = summon_stats(model, "block.0.weight")
         nested_units = list(summoned)
@@ -76,7 +76,7 @@ def _summoned_units():
         edit_param(model, "embed.bias", "x + 1")
         root_units = list(summoned)
     finally:
-        _summon.summon_full_params = real
+        _summon_stats.summon_full_params = real
     truth = reference.block[0].weight.detach().double()
     with type(model).summon_full_params(model, writeback=False):
         bias = model.embed.bias.detach().clone()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fsdp_interactive
-from fsdp_interactive.notebook._snapshot_calls import persist_snapshot, take_snapshot
+from fsdp_interactive.notebook._snapshot_taking import persist_snapshot, take_snapshot
 from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.pool import AttachedJob, JobNotPaused, Pool, RankError
 from tests.inspect._full_stats import assert_equal_stats, full_tensor_stats

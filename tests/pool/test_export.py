@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_interactive.notebook._snapshot_calls import take_snapshot
+from fsdp_interactive.notebook._snapshot_taking import take_snapshot
 from fsdp_interactive.notebook.rank_model import RankModel
 from fsdp_interactive.pool import ExportRefused, Pool, RankDied, RankError
 from tests.torchrun_reference import SCRIPTS, differences, run_exported, save_pool_state

@@ -1,5 +1,6 @@
 """The engine forker's precheck: a real forker hashes a snapshot of its root in a child
-and records the checksums a restore then takes (:mod:`fsdp_interactive._prechecked`)."""
+and records the checksums a restore then takes
+(:mod:`fsdp_interactive.checkpoint._format._prechecked`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive import _prechecked
-from fsdp_interactive._checksums import XXH3_64, checksum_of
+from fsdp_interactive.checkpoint._format import _prechecked
+from fsdp_interactive.checkpoint._format._checksums import XXH3_64, checksum_of
 from fsdp_interactive.pool.processes._forked_launcher import EngineForker, forker_command
 from fsdp_interactive.pool.processes._forker_setup import ForkerSetup
 

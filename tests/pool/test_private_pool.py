@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_interactive import _owner_key
+from fsdp_interactive.checkpoint._format import _owner_key
 from fsdp_interactive.pool import Pool, PoolStartError
 from tests.pool.conftest import record, wait_gone
 from tests.second_user import as_other_user

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_interactive import _prechecked
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint._format import _manifest, _prechecked
 from fsdp_interactive.pool import Pool, RankDied, RankTimeout
 from fsdp_interactive.pool._recovery import RecoveryError, RecoveryPlan
 from tests.pool.conftest import record, run_script, wait_gone

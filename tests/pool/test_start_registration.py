@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from fsdp_interactive.pool import Pool, PoolStartError
-from fsdp_interactive.pool.processes import _engine_entry, _launched
+from fsdp_interactive.pool.processes import _engine_entry, _engine_starts
 from tests.pool import faulty_engine
 from tests.pool.conftest import record, wait_gone
 
@@ -32,7 +32,7 @@ def _faulty_engines(monkeypatch: pytest.MonkeyPatch, folder: Path, fault: str) -
         assert argv[1:3] == ["-m", "fsdp_interactive.pool.processes._engine_entry"]
         return [argv[0], "-m", "tests.pool.faulty_engine", *argv[3:]]
 
-    monkeypatch.setattr(_launched, "engine_command", command)
+    monkeypatch.setattr(_engine_starts, "engine_command", command)
     monkeypatch.setenv("FSDPI_TEST_FAULT_DIR", str(folder))
     monkeypatch.setenv("FSDPI_TEST_FAULT", fault)
 

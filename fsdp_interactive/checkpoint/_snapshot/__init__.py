@@ -10,17 +10,20 @@ loses no file. Modules, one concept each:
 * :mod:`._restore` (:func:`restore_snapshot`), :mod:`._locate` (finding a snapshot on the
   hosts and completing every host), :mod:`._persist` (:func:`persist_snapshot`);
 * :mod:`._store` (one host's folder: :func:`list_snapshots`, :func:`drop_snapshots`),
-  :mod:`._place` (roots, hosts, the ring), :mod:`._room` (free space), :mod:`._names`
-  (variable names by identity), :mod:`._transfer` (files over gloo), :mod:`._handle`,
-  :mod:`._record`.
+  :mod:`._place` (roots, hosts, the ring), :mod:`._room` (free space),
+  :mod:`._object_locations` (variable names by identity), :mod:`._transfer` (files over
+  gloo), :mod:`._snapshot_handle`.
+
+The files a snapshot writes (its record, seal, manifest, raw storage) are the checkpoint
+format's (:mod:`.._format`).
 """
 
 from __future__ import annotations
 
-from fsdp_interactive.checkpoint._snapshot._handle import SnapshotHandle
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 from fsdp_interactive.checkpoint._snapshot._persist import persist_snapshot
-from fsdp_interactive.checkpoint._snapshot._record import RestoreReport, SnapshotRecord
-from fsdp_interactive.checkpoint._snapshot._restore import restore_snapshot
+from fsdp_interactive.checkpoint._snapshot._restore import RestoreReport, restore_snapshot
+from fsdp_interactive.checkpoint._snapshot._snapshot_handle import SnapshotHandle
 from fsdp_interactive.checkpoint._snapshot._store import drop_snapshots, list_snapshots
 from fsdp_interactive.checkpoint._snapshot._take import snapshot
 

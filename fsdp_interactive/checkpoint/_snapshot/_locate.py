@@ -4,8 +4,8 @@ of it (checked) before a restore.
 A restore may run on other ranks than the snapshot's: after a host was lost (its ranks
 gone, its folder with them), at another world size, or with ranks placed on other hosts.
 Each host's folder holds what that host kept. Only snapshots whose seal holds under the
-pool's key are found (:mod:`._seal`: a folder this pool did not write, or one altered
-since, is passed over, and named when asked for); every rank checks the seal of the
+pool's key are found (:mod:`.._format._snapshot_seal`: a folder this pool did not write, or one
+altered since, is passed over, and named when asked for); every rank checks the seal of the
 description it uses with its own key, also one another host sent. :func:`complete`
 checks every copy against that manifest's checksums (each host's files split across that
 host's ranks), treats a damaged copy as absent, and sends every host the files it lacks
@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_interactive._prechecked import prechecked
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout, _manifest
-from fsdp_interactive.checkpoint._snapshot import _seal, _store
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _manifest, _snapshot_seal
+from fsdp_interactive.checkpoint._format._prechecked import prechecked
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
+from fsdp_interactive.checkpoint._snapshot import _store
 from fsdp_interactive.checkpoint._snapshot._place import (
     ROOT_ENV,
     Hosts,
@@ -34,7 +36,6 @@ from fsdp_interactive.checkpoint._snapshot._place import (
     rank_of_file,
     root_folder,
 )
-from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
 from fsdp_interactive.checkpoint.errors import (
     CheckpointError,
@@ -117,7 +118,7 @@ def locate(snapshot_id: object, ranks: Ranks) -> Located:
     root, key, problem = root_folder(), None, None
     try:
         if private_root(create=False) is not None:
-            key = _seal.snapshot_key(root, create=False)
+            key = _snapshot_seal.snapshot_key(root, create=False)
     except SnapshotError as exc:
         problem = str(exc)
     ids = _store.sealed_ids(root, key) if key else []
@@ -179,7 +180,7 @@ def _unseal(
     if key is None:
         return SnapshotError(
             f"{folder}: this host keeps no snapshot key to check it with; set "
-            f"${_seal.KEY_ENV} to the key that sealed it"
+            f"${_snapshot_seal.KEY_ENV} to the key that sealed it"
         )
     try:
         return _store.unseal(folder, texts, key)
@@ -202,8 +203,8 @@ class Completed:
 
 def _verify_share(located: Located) -> tuple[list[str], int]:
     """The files this rank checks (its share of its host's) that fail their checksum, and
-    how many of its share a precheck had found good (:mod:`fsdp_interactive._prechecked`:
-    not hashed again)."""
+    how many of its share a precheck had found good
+    (:mod:`fsdp_interactive.checkpoint._format._prechecked`: not hashed again)."""
     host = located.hosts.of_rank[located.rank]
     mates = located.hosts.ranks_on(host)
     mine = located.good_size(host)[mates.index(located.rank) :: len(mates)]
@@ -300,7 +301,9 @@ def complete(located: Located, ranks: Ranks) -> Completed:
         return done
     my_host = hosts.of_rank[located.rank]
     fresh = located.present[hosts.leader(my_host)] is None
-    target = _layout.partial_path(located.folder, ranks.from_rank0(_layout.new_token()))
+    target = _checkpoint_folders.partial_path(
+        located.folder, ranks.from_rank0(_checkpoint_folders.new_token())
+    )
     target = target if fresh else located.folder
     problem = None
     if fresh and hosts.is_leader(located.rank):
@@ -317,7 +320,7 @@ def complete(located: Located, ranks: Ranks) -> Completed:
         try:
             _store.write_descriptions(target, located.texts)
             if fresh:
-                _layout.publish(target, located.folder)
+                _checkpoint_folders.publish(target, located.folder)
         except Exception as exc:
             problem = f"rank {located.rank}: cannot publish {located.folder}: {exc}"
     _agree(ranks, problem, "publishing the completed folders")

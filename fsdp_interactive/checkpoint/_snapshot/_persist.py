@@ -8,14 +8,15 @@ import shutil
 from pathlib import Path
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import new_checksum
-from fsdp_interactive.checkpoint import _layout, _manifest, _owner_seal
-from fsdp_interactive.checkpoint._manifest import CheckpointRecord
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _manifest, _owner_seal
+from fsdp_interactive.checkpoint._format._checksums import new_checksum
+from fsdp_interactive.checkpoint._format._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint._pipeline import _check_shared
 from fsdp_interactive.checkpoint._snapshot import _store
-from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT
 from fsdp_interactive.checkpoint._snapshot._locate import Located, locate
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
+from fsdp_interactive.checkpoint._snapshot._snapshot_handle import INFLIGHT
 from fsdp_interactive.checkpoint.errors import SnapshotError
 
 logger = logging.getLogger(__name__)
@@ -91,13 +92,13 @@ def persist_snapshot(
     final = Path(directory).absolute()
 
     def preflight() -> str:
-        _layout.check_save_target(final, overwrite)
-        _layout.remove_stale_partials(final.parent)
-        token = _layout.new_token()
-        _layout.make_partial(final, token)
+        _checkpoint_folders.check_save_target(final, overwrite)
+        _checkpoint_folders.remove_stale_partials(final.parent)
+        token = _checkpoint_folders.new_token()
+        _checkpoint_folders.make_partial(final, token)
         return token
 
-    partial = _layout.partial_path(final, ranks.run_on_rank0(preflight))
+    partial = _checkpoint_folders.partial_path(final, ranks.run_on_rank0(preflight))
     _check_shared(partial, ranks)
     problems = [
         _copy_checked(located.folder / name, partial / name, located.manifest.files[name])
@@ -113,7 +114,7 @@ def persist_snapshot(
     def publish() -> CheckpointRecord:
         _store.write_descriptions(partial, located.texts)
         _owner_seal.write_seal(partial, located.texts.manifest, None)
-        _layout.publish(partial, final, mode=_layout.DEFAULT_MODE)
+        _checkpoint_folders.publish(partial, final, mode=_checkpoint_folders.DEFAULT_MODE)
         return located.manifest.record(final)
 
     record = ranks.run_on_rank0(publish)

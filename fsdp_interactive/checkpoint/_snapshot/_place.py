@@ -11,8 +11,8 @@ host keeps which rank's files (the ring).
   (``/dev/shm`` is sticky: the owner cannot remove it) would deny snapshots for good; so
   where the default path is taken by something that is not this user's private folder,
   the root is ``/dev/shm/fsdpi-snapshots-<uid>-<12 hex digits>`` instead, the digits
-  derived from this user's checkpoint key (:mod:`fsdp_interactive._owner_key`): the
-  same on every rank and in every later process of the user, unknown to anyone else.
+  derived from this user's checkpoint key (:mod:`fsdp_interactive.checkpoint._format._owner_key`):
+  the same on every rank and in every later process of the user, unknown to anyone else.
   The first use in a process says so (a warning naming both folders).
 * The host of a rank is ``$FSDPI_SNAPSHOT_HOST`` when set, else ``socket.gethostname()``.
   The variable exists so that tests can place the ranks of one machine on simulated
@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fsdp_interactive import _owner_key, _private_files
+from fsdp_interactive import _private_files
 from fsdp_interactive._background_groups import background_gloo_group
 from fsdp_interactive._ranks import Ranks
+from fsdp_interactive.checkpoint._format import _owner_key
 from fsdp_interactive.checkpoint.errors import SnapshotError
 
 logger = logging.getLogger(__name__)

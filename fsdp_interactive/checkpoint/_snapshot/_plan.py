@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout
-from fsdp_interactive.checkpoint._snapshot import _room, _seal, _store
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _snapshot_seal
+from fsdp_interactive.checkpoint._snapshot import _room, _store
 from fsdp_interactive.checkpoint._snapshot._place import (
     ROOT_ENV,
     Hosts,
@@ -48,7 +49,8 @@ class SnapshotPlan:
     keys: list[str]
     #: Every location of the modules it holds when it was taken (see the record).
     held_at: list[str] = field(default_factory=list)
-    #: The key the snapshot is sealed with (:mod:`._seal`), the same on every rank.
+    #: The key the snapshot is sealed with (:mod:`.._format._snapshot_seal`), the same on
+    #: every rank.
     key: bytes = b""
 
     @property
@@ -86,7 +88,7 @@ def _look(root: Path) -> tuple[int, int, bytes, str | None]:
     rank; the root is made a private folder, or refused."""
     try:
         private_root(root)
-        key = _seal.snapshot_key(root)
+        key = _snapshot_seal.snapshot_key(root)
         assert key is not None  # made when missing
         return _store.highest_number(root), _room.free_bytes(root), key, None
     except SnapshotError as exc:
@@ -127,8 +129,8 @@ def plan(
         free,
         need,
         error,
-        _layout.new_token(),
-        _seal.fingerprint(key),
+        _checkpoint_folders.new_token(),
+        _snapshot_seal.fingerprint(key),
     )
     seen: list[_Seen] = ranks.all_gather((mine, (created, call, names, held_at or [])))
     # What describes the snapshot is rank 0's, so that every host's record is the same.
@@ -140,7 +142,7 @@ def plan(
     if len({s.key for s in seen}) > 1:
         raise SnapshotError(
             "ranks hold different snapshot keys (their hosts' roots keep their own outside a "
-            f"pool): give every rank the same ${_seal.KEY_ENV} (hex, e.g. from "
+            f"pool): give every rank the same ${_snapshot_seal.KEY_ENV} (hex, e.g. from "
             "secrets.token_hex(32)); nothing was written"
         )
     hosts = Hosts(tuple(s.host for s in seen))
@@ -158,7 +160,7 @@ def plan(
     number = max(_last_number, *(s.highest for s in seen)) + 1
     _last_number = number
     snapshot = _store.snapshot_id(number)
-    partial = _layout.partial_path(root / snapshot, seen[0].token)
+    partial = _checkpoint_folders.partial_path(root / snapshot, seen[0].token)
     made = None
     if hosts.is_leader(ranks.rank):
         try:

@@ -1,4 +1,4 @@
-"""After every rank wrote its shards (:mod:`.._raw_storage`, which took each file's
+"""After every rank wrote its shards (:mod:`.._format._raw_storage`, which took each file's
 checksum on the way): the metadata and the ring copies on every host, the descriptions,
 the publishing rename per host, rotation, the notice.
 
@@ -8,8 +8,8 @@ Collective over the snapshot's ranks, in this order, each step agreed before the
 2. every host's leader writes the metadata into its host's folder, and every rank's
    files are sent to the following host (:mod:`._transfer`), checked on arrival;
 3. every host's leader writes ``manifest.json``, ``snapshot.json`` and their seal
-   (:mod:`._seal`; the same on every host) and renames its folder to the snapshot's id:
-   the snapshot is published there;
+   (:mod:`.._format._snapshot_seal`; the same on every host) and renames its folder to the
+   snapshot's id: the snapshot is published there;
 4. once every host has published, each leader removes its snapshots of the same objects
    beyond ``keep_last`` (never one of other objects); rank 0 publishes a ``{"kind":
    "snapshot", ...}`` notice, naming what every host holds and what was removed.
@@ -29,14 +29,15 @@ import shutil
 from datetime import datetime, timezone
 
 from fsdp_interactive import _notices, _private_files
-from fsdp_interactive._checksums import checksum_of
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _manifest, _snapshot_seal
+from fsdp_interactive.checkpoint._format._checksums import checksum_of
+from fsdp_interactive.checkpoint._format._raw_storage import METADATA_FILE, RawWriter
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 from fsdp_interactive.checkpoint._pipeline import Contents
-from fsdp_interactive.checkpoint._raw_storage import METADATA_FILE, RawWriter
-from fsdp_interactive.checkpoint._snapshot import _seal, _store
+from fsdp_interactive.checkpoint._snapshot import _store
 from fsdp_interactive.checkpoint._snapshot._plan import SnapshotPlan
-from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint._snapshot._transfer import Transfer, exchange
 from fsdp_interactive.checkpoint.errors import SnapshotError
 
@@ -166,7 +167,9 @@ def _finish(
     manifest, record = _describe(plan, contents, files, seconds)
     manifest_json, record_json = manifest.to_json(), record.to_json()
     texts = _store.Texts(
-        manifest_json, record_json, _seal.seal(plan.key, plan.id, manifest_json, record_json)
+        manifest_json,
+        record_json,
+        _snapshot_seal.seal(plan.key, plan.id, manifest_json, record_json),
     )
     problem = None
     if plan.leader:
@@ -177,7 +180,7 @@ def _finish(
     _agree(ranks, problem, "describing the snapshot")
     if plan.leader:
         try:
-            _layout.publish(plan.partial, plan.final)
+            _checkpoint_folders.publish(plan.partial, plan.final)
         except Exception as exc:
             problem = f"host {plan.host}: {exc}"
     _agree(ranks, problem, "publishing it (on some hosts it may be published)")

@@ -1,4 +1,5 @@
-"""``restore_snapshot``: a snapshot back into the objects the replayed cells recreated."""
+"""``restore_snapshot``: a snapshot back into the objects the replayed cells recreated, and
+:class:`RestoreReport`, what it did (plain data, which travels to the kernel)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,62 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _manifest, _state
+from fsdp_interactive.checkpoint import _model_state
+from fsdp_interactive.checkpoint._format import _manifest
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
 from fsdp_interactive.checkpoint._load import check_folder, load_with_state
 from fsdp_interactive.checkpoint._rng import RNGState
-from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT
 from fsdp_interactive.checkpoint._snapshot._locate import Completed, Located, complete, locate
-from fsdp_interactive.checkpoint._snapshot._names import NOT_A_GLOBAL, resolve
+from fsdp_interactive.checkpoint._snapshot._object_locations import NOT_A_GLOBAL, resolve
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
-from fsdp_interactive.checkpoint._snapshot._record import RestoreReport, SnapshotRecord
+from fsdp_interactive.checkpoint._snapshot._snapshot_handle import INFLIGHT
 from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, id_number, read_folder_record
 from fsdp_interactive.checkpoint._snapshot._take import RNG_KEY
 from fsdp_interactive.checkpoint.errors import IncompatibleCheckpointError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What :func:`restore_snapshot` did (identical on every rank).
+
+    ``names`` maps each restored keyword (``"model"``, ``"optimizer"``, the stateful
+    keywords) to the variable it was loaded into (``"<objects>"`` when given through
+    ``objects=``). ``copied_files`` / ``copied_bytes``: files sent between hosts so that
+    every host held the whole snapshot (a host that lost its folder, or ranks placed on
+    other hosts than when it was taken); ``repaired_files``: copies that failed their
+    checksum and were replaced from a good copy on another host. ``missing_keys`` /
+    ``unexpected_keys`` as in :class:`~fsdp_interactive.checkpoint.LoadReport`
+    (``strict=False`` only). ``phases``: seconds per phase (``"locate"``, ``"verify"``,
+    ``"copy"``, ``"load"``); ``seconds``: the whole call.
+    """
+
+    id: str
+    step: int | None
+    saved_world_size: int
+    world_size: int
+    names: dict[str, str]
+    copied_files: int
+    copied_bytes: int
+    repaired_files: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    prechecked_files: int = 0
+
+    @property
+    def resharded(self) -> bool:
+        return self.saved_world_size != self.world_size
 
 
 def _agreed(ranks: Ranks, fn: Any) -> Any:
@@ -98,8 +134,8 @@ def _find(snapshot_id: str | os.PathLike | None, ranks: Ranks) -> _Source:
 
 
 def _check_keys(source: _Source, model: nn.Module) -> dict[str, Any]:
-    """The model's state (``_state.model_state``), once its keys are the snapshot's."""
-    state = _state.model_state(model)
+    """The model's state (``_model_state.model_state``), once its keys are the snapshot's."""
+    state = _model_state.model_state(model)
     current = set(state)
     saved = set(source.keys or ())
     missing, unexpected = sorted(current - saved), sorted(saved - current)

@@ -7,7 +7,7 @@ Layout of a root (a private folder of this user, see :func:`._place.private_root
         .metadata  __<r>_0.distcp ...    with this host's ranks' files and the ring copies
         manifest.json                    the checkpoint manifest (every file's checksum)
         snapshot.json                    the SnapshotRecord
-        seal.json                        both authenticated with the pool's key (._seal)
+        seal.json                        both sealed with the pool's key (_snapshot_seal)
     <root>/.s000008.partial-<token>/     being written; never listed
 
 Every folder is made mode 0700 and every file mode 0600, new (``O_EXCL | O_NOFOLLOW``).
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_interactive import _private_files
-from fsdp_interactive.checkpoint import _layout, _manifest
-from fsdp_interactive.checkpoint._safe_reader import METADATA_FILE
-from fsdp_interactive.checkpoint._snapshot import _seal
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _manifest, _snapshot_seal
+from fsdp_interactive.checkpoint._format._safe_reader import METADATA_FILE
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 from fsdp_interactive.checkpoint._snapshot._place import Hosts, host_name, private_root
-from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
 from fsdp_interactive.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,11 @@ def read_texts(folder: Path) -> Texts:
     """The description files of ``folder`` (regular files, no link followed);
     :class:`CorruptCheckpointError` naming a file that cannot be read."""
     found = []
-    for name in (_manifest.MANIFEST_FILE, RECORD_FILE, _seal.SEAL_FILE):
+    for name in (_manifest.MANIFEST_FILE, RECORD_FILE, _snapshot_seal.SEAL_FILE):
         try:
             found.append(_private_files.read_regular(folder / name).decode("utf-8"))
         except FileNotFoundError:
-            if name != _seal.SEAL_FILE:
+            if name != _snapshot_seal.SEAL_FILE:
                 raise CorruptCheckpointError(
                     f"{folder / name}: missing: {folder} is not a published snapshot",
                     file=str(folder / name),
@@ -101,7 +101,7 @@ def unseal(folder: Path, texts: Texts, key: bytes) -> tuple[_manifest.Manifest, 
     """The manifest and record of ``texts`` (read from ``folder``, named by the snapshot's
     id), once their seal holds under ``key``; :class:`CorruptCheckpointError` naming the
     file otherwise (a snapshot this pool did not write, or one altered since)."""
-    _seal.check(key, folder, texts.manifest, texts.record, texts.seal)
+    _snapshot_seal.check(key, folder, texts.manifest, texts.record, texts.seal)
     manifest = _manifest.Manifest.from_json(texts.manifest, folder / _manifest.MANIFEST_FILE)
     record = SnapshotRecord.from_json(texts.record, folder / RECORD_FILE)
     if record.id != folder.name:
@@ -154,7 +154,7 @@ def list_snapshots(root: str | os.PathLike | None = None) -> list[SnapshotRecord
     it is not listed here: :func:`restore_snapshot` looks on every host.
     """
     folder = private_root(root, create=False)
-    key = None if folder is None else _seal.snapshot_key(folder, create=False)
+    key = None if folder is None else _snapshot_seal.snapshot_key(folder, create=False)
     if folder is None or key is None:
         return []
     host = host_name()
@@ -225,7 +225,7 @@ def _objects_of(root: Path, snapshot: str, key: bytes) -> tuple | None:
 
 def remove_leftovers(root: Path) -> list[Path]:
     """Remove the dot-folders of snapshots that did not finish under ``root``."""
-    return _layout.remove_stale_partials(root)
+    return _checkpoint_folders.remove_stale_partials(root)
 
 
 def make_folder(path: Path) -> None:
@@ -236,7 +236,7 @@ def make_folder(path: Path) -> None:
 def _write_private(folder: Path, name: str, text: str) -> None:
     """``text`` into ``folder/name`` (mode 0600), written under a new temporary name and
     renamed over ``name``: never through a link, never half written."""
-    temporary = folder / f".{name}.{_layout.new_token()}"
+    temporary = folder / f".{name}.{_checkpoint_folders.new_token()}"
     _private_files.write_new_file(temporary, text.encode("utf-8"))
     os.replace(temporary, folder / name)
 
@@ -247,8 +247,8 @@ def write_descriptions(folder: Path, texts: Texts) -> None:
     assert texts.seal is not None, "a snapshot is never published without its seal"
     _write_private(folder, _manifest.MANIFEST_FILE, texts.manifest)
     _write_private(folder, RECORD_FILE, texts.record)
-    _write_private(folder, _seal.SEAL_FILE, texts.seal)
-    _layout.fsync_dir(folder)
+    _write_private(folder, _snapshot_seal.SEAL_FILE, texts.seal)
+    _checkpoint_folders.fsync_dir(folder)
 
 
 def drop_snapshots(root: str | os.PathLike | None = None) -> list[str]:
@@ -276,7 +276,7 @@ def drop_snapshots(root: str | os.PathLike | None = None) -> list[str]:
             shutil.rmtree(child, ignore_errors=True)
             removed.append(str(child))
     with contextlib.suppress(OSError):
-        (folder / _seal.KEY_FILE).unlink()
+        (folder / _snapshot_seal.KEY_FILE).unlink()
     with contextlib.suppress(OSError):
         folder.rmdir()
     logger.info("dropped %d snapshot folders under %s", len(removed), folder)

@@ -17,16 +17,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_interactive import _notices
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive._step_counter import StepCounter
 from fsdp_interactive.checkpoint import _pipeline
+from fsdp_interactive.checkpoint._format._raw_storage import RawWriter
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 from fsdp_interactive.checkpoint._fsdp1_quietly import quietly
-from fsdp_interactive.checkpoint._handle import INFLIGHT as SAVES
-from fsdp_interactive.checkpoint._raw_storage import RawWriter
 from fsdp_interactive.checkpoint._rng import RNGState
+from fsdp_interactive.checkpoint._save_handle import INFLIGHT as SAVES
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint._snapshot import _plan, _publish, _room
-from fsdp_interactive.checkpoint._snapshot._handle import INFLIGHT, SnapshotHandle
-from fsdp_interactive.checkpoint._snapshot._names import (
+from fsdp_interactive.checkpoint._snapshot._object_locations import (
     MODEL,
     OPTIMIZER,
     findable,
@@ -36,8 +35,9 @@ from fsdp_interactive.checkpoint._snapshot._names import (
     unlocated_error,
 )
 from fsdp_interactive.checkpoint._snapshot._place import snapshot_ranks
-from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
+from fsdp_interactive.checkpoint._snapshot._snapshot_handle import INFLIGHT, SnapshotHandle
 from fsdp_interactive.checkpoint._stateful import check_stateful
+from fsdp_interactive.checkpoint._step_counter import StepCounter
 from fsdp_interactive.checkpoint.errors import CheckpointError, SnapshotLocationWarning
 from fsdp_interactive.fsdp._fqn_state import map_tensors
 
@@ -96,9 +96,9 @@ def snapshot(
       keyword starting with ``_`` or named ``snapshot_rng``, an object without
       ``state_dict``/``load_state_dict``).
     * Each rank writes its shards' bytes as they are in memory into one file in host
-      memory (no ``torch.save`` framing; :mod:`fsdp_interactive.checkpoint._raw_storage`),
+      memory (no ``torch.save`` framing; :mod:`fsdp_interactive.checkpoint._format._raw_storage`),
       taking the file's checksum (XXH3-64) on the way; the manifest holding the checksums
-      and the record are sealed with the pool's key (:mod:`._seal`).
+      and the record are sealed with the pool's key (:mod:`.._format._snapshot_seal`).
     * ``background=False``: returns the :class:`SnapshotRecord` once published.
       ``background=True``: writes the state into host memory in the calling thread (the
       blocking part, in ``handle.seconds``: that copy is the staging), then copies it to
@@ -211,7 +211,7 @@ def take(
     given: Mapping[str, str] | None = None,
 ) -> SnapshotRecord | SnapshotHandle:
     """:func:`snapshot` with the namespace its names are looked up in given explicitly
-    (``given``: what the caller wrote for each keyword, :func:`._names.given_paths`)."""
+    (``given``: what the caller wrote for each keyword, :func:`._object_locations.given_paths`)."""
     started, created, call = time.monotonic(), time.time(), _notices.current_call()
     if isinstance(step, StepCounter):  # kept as a stateful object, restored in place
         stateful = {**stateful, "step": step}

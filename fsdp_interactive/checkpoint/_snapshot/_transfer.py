@@ -8,8 +8,8 @@ receives into its own ``target`` folder. Files travel in chunks of at most
 hosts copy in parallel). A received file is written under a new dot-name (mode 0600,
 never through a link), checked against the size and checksum its manifest record gives
 (what the receiving rank holds: at a restore, a manifest whose seal it checked with the
-pool's key, :mod:`._seal`; never a value that came with the file), then renamed into
-place, so a file that is there is whole and the one the manifest names. The checksum
+pool's key, :mod:`.._format._snapshot_seal`; never a value that came with the file), then renamed
+into place, so a file that is there is whole and the one the manifest names. The checksum
 catches damage on the way; bytes crafted to match it would have to be injected into
 torch's own traffic between the hosts, which must run on a trusted network
 (docs/security.md).
@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import new_checksum
 from fsdp_interactive._ranks import Ranks
-from fsdp_interactive.checkpoint import _layout, _manifest
+from fsdp_interactive.checkpoint import _checkpoint_folders
+from fsdp_interactive.checkpoint._format import _manifest
+from fsdp_interactive.checkpoint._format._checksums import new_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def exchange(
     if not transfers:
         return result
     me = ranks.rank
-    token = _layout.new_token()
+    token = _checkpoint_folders.new_token()
     outgoing = {i: _Outgoing(t, source, result) for i, t in enumerate(transfers) if t.src == me}
     incoming = {
         i: _Incoming(t, target, f"{token}-{i}", result)

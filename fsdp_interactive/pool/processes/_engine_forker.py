@@ -40,8 +40,8 @@ Protocol (one JSON object per line):
 * request ``{"precheck": SNAPSHOT_ID}``: hash the files of this host's copy of that
   snapshot (in the snapshot root) in a child that runs only on idle CPUs, and record their
   checksums in the snapshot's folder for the restore that follows
-  (:mod:`fsdp_interactive._prechecked`); no reply (the record is the result, its end
-  is logged on stderr). A precheck of a snapshot already being prechecked is not
+  (:mod:`fsdp_interactive.checkpoint._format._prechecked`); no reply (the record is the result, its
+  end is logged on stderr). A precheck of a snapshot already being prechecked is not
   started twice;
 * event ``{"exited": P, "exit_code": C}`` (and ``"output"``, see above) when child ``P``
   ends (``C`` negative: killed by signal ``-C``), as ``subprocess`` reports it. A nanny's
@@ -85,7 +85,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_interactive import _prechecked
+from fsdp_interactive.checkpoint._format import _prechecked
 from fsdp_interactive.pool.common import _snapshot_root
 from fsdp_interactive.pool.processes import _warm_imports
 from fsdp_interactive.pool.processes._forked_children import (
@@ -442,9 +442,9 @@ def serve(requests_fd: int, replies_fd: int, root: RootState, pending: bytes = b
 
 
 def _precheck_child(folder: str) -> int:
-    """In a forked child: :func:`fsdp_interactive._prechecked.precheck` of ``folder`` under
-    ``SCHED_IDLE`` (it runs only on a CPU nothing else wants: the engines being started
-    are never slowed by it); its exit status."""
+    """In a forked child: :func:`fsdp_interactive.checkpoint._format._prechecked.precheck` of
+    ``folder`` under ``SCHED_IDLE`` (it runs only on a CPU nothing else wants: the engines being
+    started are never slowed by it); its exit status."""
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     _prechecked.precheck(folder)
     return 0

@@ -204,7 +204,7 @@ class EngineForker:
 
     def precheck(self, snapshot_id: str) -> None:
         """Have the forker hash its host's copy of the snapshot ``snapshot_id`` ahead of a
-        restore (:mod:`fsdp_interactive._prechecked`); no answer is awaited."""
+        restore (:mod:`fsdp_interactive.checkpoint._format._prechecked`); no answer is awaited."""
         self._send(json.dumps({"precheck": snapshot_id}))
 
     def wait_warm(self, specs: list[str], timeout: float) -> bool:

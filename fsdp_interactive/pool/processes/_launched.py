@@ -5,8 +5,9 @@ private event loop (:mod:`._loop`), records every process it started by pid *and
 time (controller, engines, their nannies, the engine forker), keeps the orphan reaper
 (:mod:`._reaper`) informed, and ends all of them on :meth:`~LaunchedProcesses.stop`.
 
-Start-up: local engines are forked from one process that imports torch while the
-controller starts (:mod:`._forked_launcher`, :mod:`._engine_forker`); they wait for the
+Start-up: how the engines start is :mod:`._engine_starts`' choice, one way per launcher
+name. Local engines are forked from one process that imports torch while the controller
+starts (:mod:`._forked_launcher`, :mod:`._engine_forker`); they wait for the
 controller's connection file themselves (:mod:`._engine_entry`), so controller, torch
 import and engine start-up overlap instead of following each other. ``engines="ssh"``
 does the same on every host: one forker per host, started over one ssh command before
@@ -34,7 +35,6 @@ to (it never owns those).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -51,9 +51,8 @@ import psutil
 from fsdp_interactive import _controller_entry, _engine_parent, _private_files
 from fsdp_interactive.pool.common import _snapshot_root, _socket_folder
 from fsdp_interactive.pool.errors import PoolStartError
-from fsdp_interactive.pool.processes import _channels, _launch_watch, _ssh_check
+from fsdp_interactive.pool.processes import _channels, _engine_starts, _launch_watch
 from fsdp_interactive.pool.processes._channels import Channels
-from fsdp_interactive.pool.processes._engine_entry import engine_command
 from fsdp_interactive.pool.processes._engine_report import EngineReport, engine_report
 from fsdp_interactive.pool.processes._host_forkers import HostForkers
 from fsdp_interactive.pool.processes._loop import LoopThread
@@ -254,15 +253,6 @@ class LaunchedProcesses:
         """
         import ipyparallel as ipp
 
-        from fsdp_interactive.pool.processes._forked_launcher import (
-            ForkedEngineSetLauncher,
-            forking_supported,
-        )
-        from fsdp_interactive.pool.processes._ssh_forked_launcher import (
-            SSHForkedEngineSetLauncher,
-            configures_engine_command,
-        )
-
         self._loop = LoopThread()
         kwargs = dict(cluster_kwargs)
         kwargs.setdefault("log_level", logging.ERROR)
@@ -270,74 +260,35 @@ class LaunchedProcesses:
         kwargs.setdefault("shutdown_atexit", False)
         kwargs.setdefault("controller_args", list(_CONTROLLER_ARGS))
         kwargs.setdefault("engine_timeout", int(timeout))
-
-        launcher: Any = engines
-        own_launcher = not {"send_engines_connection_env", "engine_launcher_class"} & set(kwargs)
-        ssh = isinstance(engines, str) and engines.lower() == "ssh"
-        forked = (
-            engines == "local"
-            and forking_supported()
-            and own_launcher
-            and not _configures_engine_command(kwargs.get("config"))
-        )
-        ssh_forked = ssh and own_launcher and not configures_engine_command(kwargs.get("config"))
-        if forked:
-            # Engines forked from a process that has torch imported, started with the
-            # controller: each waits for the connection file itself (see _engine_entry).
-            kwargs["send_engines_connection_env"] = False
-            launcher = ForkedEngineSetLauncher
-        elif ssh_forked:
-            launcher = SSHForkedEngineSetLauncher
-        elif engines != "local" and isinstance(engines, str):
-            launcher = _with_engine_parent(engines)
-        if ssh and not ssh_forked:
-            self._check_ssh_hosts(kwargs.get("config"))
-
-        def cluster_id() -> str:
-            return str(self.cluster.cluster_id)
-
+        way = _engine_starts.choose(engines, kwargs)
+        way.cluster_settings(kwargs)
+        way.check()
         controller_up: list[float] = []  # seconds it took, once it is up
 
         async def start() -> None:
             began = time.monotonic()
-            self.cluster = ipp.Cluster(n=n, engines=launcher, **kwargs)
-            channels = self.channels = self._choose_channels(engines, forked, kwargs)
+            self.cluster = ipp.Cluster(n=n, engines=way.launcher, **kwargs)
+            channels = self.channels = self._choose_channels(engines, way.forked_here, kwargs)
             log.debug("channels: %s", channels.describe())
             log_dir = self._log_dir()
             self._private_cluster_file(log_dir)
+            launch = _engine_starts.Launch(
+                cluster=self.cluster,
+                n=n,
+                log_dir=log_dir,
+                forkers=self._forkers,
+                socket_folder=self.socket_folder if channels.ipc else None,
+                timeout=timeout,
+            )
             # The forkers' imports are the longest step: they start first.
-            engine_kwargs: dict[str, Any] = {}
-            checked = None
-            if forked:
-                engine_kwargs["forker"] = self._forkers.local(log_dir, cluster_id())
-                engine_kwargs["log_dir"] = log_dir
-                if channels.ipc and self.socket_folder:
-                    engine_kwargs["environment"] = {_socket_folder.ENV_VAR: self.socket_folder}
-            elif ssh_forked:
-                engine_kwargs["hosts"] = self._ssh_hosts(SSHForkedEngineSetLauncher, n)
-                engine_kwargs["forkers"], started = self._forkers.on_ssh_hosts(
-                    engine_kwargs["hosts"], log_dir, cluster_id()
-                )
-                # The versions are checked while the forkers import and the controller
-                # starts; nothing is forked before the answer.
-                checked = asyncio.get_running_loop().run_in_executor(
-                    None, self._check_ssh_hosts, kwargs.get("config"), started
-                )
+            engine_kwargs = await way.before_controller(launch)
             await self.cluster.start_controller(**self._controller_kwargs(channels, log_dir))
             controller_up.append(time.monotonic() - began)
             log.debug("controller up in %.2fs", controller_up[0])
-            if checked is not None:
-                await checked
+            await way.after_controller(launch, engine_kwargs)
             began = time.monotonic()
-            if forked:
-                connection_file = self.cluster.controller.connection_files["engine"]
-                engine_kwargs["engine_cmd"] = engine_command(connection_file, timeout)
             await self.cluster.start_engines(n, **engine_kwargs)
-            how = (
-                f"forked by {self._forkers.describe()}"
-                if forked or ssh_forked
-                else f"launcher {engines!r}"
-            )
+            how = way.describe(self._forkers)
             log.debug("%d engines started (%s) in %.2fs", n, how, time.monotonic() - began)
 
         try:
@@ -356,33 +307,6 @@ class LaunchedProcesses:
         assert self._loop is not None and self.cluster is not None, "nothing was launched"
         cluster = self.cluster
         return self._loop.run(lambda: cluster.connect_client(timeout=timeout), timeout=timeout)
-
-    def _check_ssh_hosts(self, config: Any, only: set[str] | None = None) -> None:
-        """Refuse (:class:`PoolStartError`) ssh hosts that do not answer with our versions
-        (``only``: those of these host keys)."""
-        if only is not None and not only:
-            return
-        began = time.monotonic()
-        try:
-            _ssh_check.check_hosts(config, only)
-        except RuntimeError as exc:
-            raise PoolStartError(str(exc)) from None
-        log.debug("ssh hosts checked in %.2fs", time.monotonic() - began)
-
-    def _ssh_hosts(self, launcher_class: Any, n: int) -> list[Any]:
-        """Which ssh hosts get how many of ``n`` engines, from the same settings the
-        cluster's ``launcher_class`` will read."""
-        from fsdp_interactive.pool.processes._ssh_forked_launcher import plan_hosts
-
-        planner = launcher_class(
-            parent=self.cluster,
-            profile_dir=self.cluster.profile_dir,
-            cluster_id=self.cluster.cluster_id,
-        )
-        try:
-            return plan_hosts(planner, n)
-        except ValueError as exc:
-            raise PoolStartError(str(exc)) from None
 
     def _choose_channels(self, engines: Any, forked: bool, kwargs: Mapping[str, Any]) -> Channels:
         """The cluster's channels (:mod:`._channels`); makes the socket folder they need."""
@@ -776,34 +700,8 @@ def _launch_order(index: str) -> tuple[int, str]:
     return (int(head) if head.isdigit() else 1 << 30, index)
 
 
-def _with_engine_parent(engines: str) -> Any:
-    """ipyparallel's engine set launcher named ``engines``, its engines run under
-    :mod:`fsdp_interactive._engine_parent` (which reports how each ended), under the same class name
-    (so the configuration of that name and of its bases applies unchanged)."""
-    from ipyparallel.cluster.launcher import find_launcher_class
-
-    try:
-        base = find_launcher_class(engines, "engine")
-    except (KeyError, ValueError, ImportError):
-        return engines  # a launcher named by its import path: ipyparallel resolves it
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, *args, **kwargs)
-        self.engine_cmd = _engine_parent.wrap(list(self.engine_cmd))
-
-    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
-
-
 def is_remote(launcher: Any) -> bool:
     """Whether ``launcher`` runs its process on another host (its ``pid`` is not ours)."""
     if getattr(launcher, "runs_remotely", False):
         return True
     return any(cls.__name__ == "SSHLauncher" for cls in type(launcher).__mro__)
-
-
-def _configures_engine_command(config: Any) -> bool:
-    """Whether an ipyparallel ``config`` sets the local launchers' ``engine_cmd``."""
-    if not config:
-        return False
-    sections = ("LocalEngineSetLauncher", "LocalEngineLauncher", "EngineLauncher")
-    return any("engine_cmd" in config.get(section, {}) for section in sections)

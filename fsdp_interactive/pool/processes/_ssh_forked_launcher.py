@@ -45,7 +45,6 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from signal import SIGKILL, SIGTERM
-from typing import Any
 
 from ipyparallel.cluster.launcher import EngineLauncher, SSHEngineSetLauncher
 from traitlets import Dict, Integer, List, Unicode
@@ -357,12 +356,3 @@ class SSHForkedEngineSetLauncher(SSHEngineSetLauncher):
 
     def find_args(self) -> list[str]:
         return ["engine forkers over ssh"]
-
-
-def configures_engine_command(config: Any) -> bool:
-    """Whether an ipyparallel ``config`` sets the ssh engines' own command (then
-    ipyparallel's ssh launcher runs it unchanged)."""
-    if not config:
-        return False
-    sections = ("SSHEngineSetLauncher", "SSHEngineLauncher", "EngineLauncher")
-    return any("engine_cmd" in config.get(section, {}) for section in sections)

@@ -49,7 +49,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +72,50 @@ STORE_FILE_PREFIX = ".rendezvous-"
 
 _READY_KEY = "fsdp_interactive/ready"
 _ALL_READY_KEY = "fsdp_interactive/all_ready"
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """What one engine is told to become a rank of a new group (:func:`join_group`): plain
+    data the kernel makes for each rank (:mod:`fsdp_interactive.pool._rendezvous`)."""
+
+    #: This engine's rank, and how many ranks the group has.
+    rank: int
+    world_size: int
+    #: Its place among its host's ranks, and how many ranks its host has (``LOCAL_RANK``,
+    #: ``LOCAL_WORLD_SIZE``; a CPU rank takes its share of the host's cores by them).
+    local_rank: int
+    local_world_size: int
+    #: Rank 0's address, and the port its ``TCPStore`` listens on (``MASTER_ADDR``,
+    #: ``MASTER_PORT``).
+    master_addr: str
+    master_port: int | None
+    #: ``"gloo"`` or ``"nccl"``.
+    backend: str
+    #: ``"cpu"`` or ``"cuda:N"``: the rank's device, pinned before anything else uses CUDA.
+    device: str
+    #: Seconds the group's collectives (and the rendezvous) may wait.
+    pg_timeout_s: float
+    #: Extra environment variables set first (socket interface names, the pool's
+    #: snapshot root).
+    env: dict[str, str] = field(default_factory=dict)
+    #: The rendezvous ``FileStore`` rank 0 opened (every rank on one host); ``MASTER_PORT``
+    #: is then not set: nothing listens. ``None``: the ``TCPStore`` at ``master_addr``.
+    store_file: str | None = None
+    #: The CUDA devices of this host's ranks in local-rank order, as this engine sees them:
+    #: ``CUDA_VISIBLE_DEVICES`` is narrowed to them first (:func:`narrow_visible_devices`).
+    #: ``None``: left as it is.
+    cuda_devices: tuple[int, ...] | None = None
+    #: Entries of torch's flight recorder ring buffer (0: off; ``None``: the environment's
+    #: setting).
+    flight_recorder: int | None = None
+    #: Check every collective's arguments across ranks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    check_collectives: bool = False
+    #: The process title ``ps`` shows ("": left as it is).
+    title: str = ""
+    #: This rank's address on the pool's network: gloo and NCCL bind the interface that
+    #: holds it (:func:`bind_collective_sockets`). ``None``: every rank on one host.
+    socket_address: str | None = None
 
 
 @dataclass
@@ -196,21 +240,9 @@ def close_store() -> None:
         _STATE.listen_socket = None
 
 
-def join_group(spec: dict[str, Any]) -> dict[str, Any]:
-    """Become rank ``spec["rank"]`` of a new default process group; return its record.
-
-    ``spec`` keys: rank, world_size, local_rank, local_world_size, master_addr,
-    master_port, backend, device (``"cpu"`` or ``"cuda:N"``), pg_timeout_s, env (extra
-    environment variables, e.g. socket interface names, the pool's snapshot root);
-    optional: store_file (the rendezvous ``FileStore`` rank 0 opened; ``MASTER_PORT`` is
-    then not set: nothing listens), cuda_devices (the
-    CUDA devices of this host's ranks in local-rank order, as this engine sees them:
-    ``CUDA_VISIBLE_DEVICES`` is narrowed to them first, see
-    :func:`narrow_visible_devices`), flight_recorder
-    (ring buffer entries, 0: off, ``None``: the environment's setting),
-    check_collectives (bool), title (the process title), socket_address (this rank's
-    address on the pool's network: gloo and NCCL bind the interface that holds it, see
-    :func:`bind_collective_sockets`).
+def join_group(spec: JoinSpec) -> dict[str, Any]:
+    """Become rank ``spec.rank`` of a new default process group (:class:`JoinSpec` says how);
+    return its record.
 
     The record says, under ``recorder_note``, why the flight recorder does not record
     this group's collectives (``None`` when it does), under ``socket_ifnames`` which
@@ -220,29 +252,29 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    rank = int(spec["rank"])
-    world_size = int(spec["world_size"])
-    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
-    store_file = spec.get("store_file")
+    rank = spec.rank
+    world_size = spec.world_size
+    os.environ.update({str(k): str(v) for k, v in spec.env.items()})
+    store_file = spec.store_file
     os.environ.update(
         RANK=str(rank),
-        LOCAL_RANK=str(spec["local_rank"]),
+        LOCAL_RANK=str(spec.local_rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(spec["local_world_size"]),
-        MASTER_ADDR=str(spec["master_addr"]),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        MASTER_ADDR=str(spec.master_addr),
     )
     if store_file is None:
-        os.environ["MASTER_PORT"] = str(spec["master_port"])
+        os.environ["MASTER_PORT"] = str(spec.master_port)
     else:
         os.environ.pop("MASTER_PORT", None)
     root = os.environ.get(SNAPSHOT_ROOT_ENV)
     if root:  # made by this host's engine forker, else here (SLURM, MPI, connected engines)
         _private_files.make_private_folder(root, exist_ok=True)
-    device = torch.device(spec["device"])
+    device = torch.device(spec.device)
     visible_devices = None
-    if device.type == "cuda" and spec.get("cuda_devices") is not None:
-        visible_devices = narrow_visible_devices([int(d) for d in spec["cuda_devices"]])
-    socket_ifnames = bind_collective_sockets(spec.get("socket_address"), cuda=device.type == "cuda")
+    if device.type == "cuda" and spec.cuda_devices is not None:
+        visible_devices = narrow_visible_devices(list(spec.cuda_devices))
+    socket_ifnames = bind_collective_sockets(spec.socket_address, cuda=device.type == "cuda")
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if device.index is None or device.index >= visible:
@@ -255,14 +287,14 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)  # crash reports in the log
     if device.type == "cpu":
-        share_cores(int(spec["local_world_size"]))
-    _torch_recorder.configure(spec.get("flight_recorder"))
-    if spec.get("check_collectives"):
+        share_cores(spec.local_world_size)
+    _torch_recorder.configure(spec.flight_recorder)
+    if spec.check_collectives:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         # torch read the variable when it was imported; the group reads the level.
         dist.set_debug_level_from_env()
-    if spec.get("title"):
-        set_title(str(spec["title"]))
+    if spec.title:
+        set_title(spec.title)
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -271,12 +303,12 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         "rank %d of %d joining a %s group on %s:%s (device %s)",
         rank,
         world_size,
-        spec["backend"],
-        spec["master_addr"],
-        spec["master_port"],
+        spec.backend,
+        spec.master_addr,
+        spec.master_port,
         device,
     )
-    timeout = timedelta(seconds=float(spec["pg_timeout_s"]))
+    timeout = timedelta(seconds=float(spec.pg_timeout_s))
     if rank == 0:
         store = _STATE.store
         if store is None:
@@ -286,14 +318,14 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
         store.set_timeout(timeout)
     else:
         store = dist.TCPStore(
-            str(spec["master_addr"]),
-            int(spec["master_port"]),
+            str(spec.master_addr),
+            int(spec.master_port),
             world_size,
             is_master=False,
             timeout=timeout,
         )
     dist.init_process_group(
-        spec["backend"],
+        spec.backend,
         store=store,
         rank=rank,
         world_size=world_size,
@@ -308,7 +340,7 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(check)
     if int(check.item()) != world_size:
         raise RuntimeError(f"all_reduce check gave {check.item()}, expected {world_size}")
-    recorder_note = _torch_recorder.check(str(spec["backend"]))
+    recorder_note = _torch_recorder.check(spec.backend)
     log.debug("rank %d joined in %.2fs; all_reduce check passed", rank, time.monotonic() - began)
     if recorder_note:
         log.debug("collective trace unavailable: %s", recorder_note)
@@ -316,11 +348,11 @@ def join_group(spec: dict[str, Any]) -> dict[str, Any]:
     _STATE.store = store
     _STATE.rank = rank
     _STATE.world_size = world_size
-    _STATE.local_rank = int(spec["local_rank"])
+    _STATE.local_rank = spec.local_rank
     _STATE.device = str(device)
     return {
         "rank": rank,
-        "local_rank": int(spec["local_rank"]),
+        "local_rank": spec.local_rank,
         "world_size": world_size,
         "pid": os.getpid(),
         "device": str(device),
@@ -399,7 +431,7 @@ def bind_collective_sockets(address: str | None, *, cuda: bool) -> dict[str, str
     which on many hosts is a loopback address (``127.0.1.1``) that peers on other hosts
     cannot reach. Each variable already in this process's environment is left as it is
     (the user's choice, or a launcher's); ``address`` ``None`` (a single-host pool, whose
-    names come with ``spec["env"]``) changes nothing. A loopback ``address``, or one no
+    names come with ``JoinSpec.env``) changes nothing. A loopback ``address``, or one no
     interface holds, changes nothing either and logs a warning: pinning would only
     hide the problem behind a later connection timeout.
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_interactive import _notices
@@ -79,24 +80,33 @@ def code_name(filename: str) -> str | None:
     return f"{label} {name}"
 
 
-def join_pool(spec: dict[str, Any]) -> dict[str, Any]:
-    """Start this engine's agent, then join the group as ``spec`` says.
+@dataclass(frozen=True)
+class AgentSpec:
+    """How a rank's diagnostics agent listens (:class:`._agent.RankAgent`)."""
 
-    ``spec["agent"]``: ``{"host": address to bind, or the socket folder to listen in,
-    "nonce": hex, "end_with_owner": bool}`` (see :class:`._agent.RankAgent`). The record
-    of :func:`._bootstrap.join_group` comes back with ``agent`` (``(host, port)``, or the
-    path of a unix socket).
+    #: The address to bind, or the socket folder to listen in (a one-host pool).
+    host: str
+    #: Hex; with the engine's session key it makes the agent's key.
+    nonce: str
+    #: The agent ends this engine when the kernel that owns the pool is gone.
+    end_with_owner: bool = False
+
+
+def join_pool(spec: _bootstrap.JoinSpec, agent: AgentSpec) -> dict[str, Any]:
+    """Start this engine's agent as ``agent`` says, then join the group as ``spec`` says.
+
+    The record of :func:`._bootstrap.join_group` comes back with ``agent`` (``(host,
+    port)``, or the path of a unix socket).
     """
     shell = _shell()
-    agent = spec["agent"]
-    key = _agent_wire.derive_key(bytes(shell.kernel.session.key), bytes.fromhex(agent["nonce"]))
+    key = _agent_wire.derive_key(bytes(shell.kernel.session.key), bytes.fromhex(agent.nonce))
     address = _agent.start(
-        agent["host"],
+        agent.host,
         key,
         user_thread=threading.get_ident(),
         code_name=code_name,
         rank=lambda: _bootstrap.rank_context()[0],
-        end_with_owner=bool(agent.get("end_with_owner")),
+        end_with_owner=agent.end_with_owner,
     )
     _install_hooks(shell)
     _notices.set_sink(_notify_kernel)

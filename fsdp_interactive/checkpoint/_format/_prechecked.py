@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import CHECKSUMS, SHA256, hash_descriptor
+from fsdp_interactive.checkpoint._format._checksums import CHECKSUMS, SHA256, hash_descriptor
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class Stamp:
 @dataclass(frozen=True)
 class Prechecked:
     """One file's checksum as :func:`precheck` found it: ``algorithm`` (one of
-    :data:`~fsdp_interactive._checksums.CHECKSUMS`), hex ``digest``, and the file's
-    ``stamp`` when it was hashed."""
+    :data:`~fsdp_interactive.checkpoint._format._checksums.CHECKSUMS`), hex ``digest``, and the
+    file's ``stamp`` when it was hashed."""
 
     algorithm: str
     digest: str

@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import CHECKSUMS, SHA256, XXH3_64, hash_descriptor
+from fsdp_interactive.checkpoint._format._checksums import (
+    CHECKSUMS,
+    SHA256,
+    XXH3_64,
+    hash_descriptor,
+)
 from fsdp_interactive.checkpoint.errors import CheckpointPathError, CorruptCheckpointError
 
 MANIFEST_FILE = "manifest.json"

@@ -1,9 +1,9 @@
-"""What a snapshot is, as plain data: :class:`SnapshotRecord` (also its ``snapshot.json``)
-and :class:`RestoreReport`.
+"""What a snapshot is, as plain data: :class:`SnapshotRecord`, also its ``snapshot.json``
+(:data:`RECORD_FORMAT`, :data:`RECORD_VERSION`).
 
-Both are frozen dataclasses of strings, numbers, lists and dicts, so that they travel to
-the notebook kernel (a notice, an ipyparallel reply) and into JSON unchanged. Nothing
-here touches files or other ranks.
+A frozen dataclass of strings, numbers, lists and dicts, so that it travels to the notebook
+kernel (a notice, an ipyparallel reply) and into JSON unchanged. Nothing here touches files
+or other ranks.
 """
 
 from __future__ import annotations
@@ -124,37 +124,3 @@ class SnapshotRecord:
                 f"{source}: invalid snapshot record ({type(exc).__name__}: {exc})",
                 file=str(source),
             ) from exc
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    """What :func:`restore_snapshot` did (identical on every rank).
-
-    ``names`` maps each restored keyword (``"model"``, ``"optimizer"``, the stateful
-    keywords) to the variable it was loaded into (``"<objects>"`` when given through
-    ``objects=``). ``copied_files`` / ``copied_bytes``: files sent between hosts so that
-    every host held the whole snapshot (a host that lost its folder, or ranks placed on
-    other hosts than when it was taken); ``repaired_files``: copies that failed their
-    checksum and were replaced from a good copy on another host. ``missing_keys`` /
-    ``unexpected_keys`` as in :class:`~fsdp_interactive.checkpoint.LoadReport`
-    (``strict=False`` only). ``phases``: seconds per phase (``"locate"``, ``"verify"``,
-    ``"copy"``, ``"load"``); ``seconds``: the whole call.
-    """
-
-    id: str
-    step: int | None
-    saved_world_size: int
-    world_size: int
-    names: dict[str, str]
-    copied_files: int
-    copied_bytes: int
-    repaired_files: list[str] = field(default_factory=list)
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    prechecked_files: int = 0
-
-    @property
-    def resharded(self) -> bool:
-        return self.saved_world_size != self.world_size

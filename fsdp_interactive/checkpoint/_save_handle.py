@@ -14,7 +14,7 @@ from typing import Literal
 
 from fsdp_interactive._ranks import Ranks
 from fsdp_interactive.checkpoint._background_result import BackgroundResult, LatestInFlight
-from fsdp_interactive.checkpoint._manifest import CheckpointRecord
+from fsdp_interactive.checkpoint._format._manifest import CheckpointRecord
 from fsdp_interactive.checkpoint.errors import CheckpointBusyError
 
 IfBusy = Literal["wait", "error"]

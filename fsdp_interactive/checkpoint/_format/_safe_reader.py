@@ -56,12 +56,14 @@ from torch.futures import Future
 
 from fsdp_interactive import _private_files
 from fsdp_interactive._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, set_element
-from fsdp_interactive.checkpoint._raw_storage import METADATA_FILE, RawExtent
+from fsdp_interactive.checkpoint._format._raw_storage import METADATA_FILE, RawExtent
 from fsdp_interactive.checkpoint._single_process import single_process_quietly
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
+#: The module :class:`RawExtent` was pickled from before the format's modules had a folder.
+_EARLIER_RAW_STORAGE = "fsdp_interactive.checkpoint._raw_storage"
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
@@ -87,6 +89,8 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             _ALLOWED_GLOBALS[("pathlib", name)] = getattr(pathlib, name)
         _ALLOWED_GLOBALS[("collections", "OrderedDict")] = __import__("collections").OrderedDict
         _ALLOWED_GLOBALS[(RawExtent.__module__, RawExtent.__name__)] = RawExtent
+        # Where snapshots persisted by earlier releases name it (the module moved here).
+        _ALLOWED_GLOBALS[(_EARLIER_RAW_STORAGE, RawExtent.__name__)] = RawExtent
     return _ALLOWED_GLOBALS
 
 

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from fsdp_interactive import _path_trust
-from fsdp_interactive.checkpoint._manifest import CheckpointRecord, read_manifest
+from fsdp_interactive.checkpoint._format._manifest import CheckpointRecord, read_manifest
 from fsdp_interactive.checkpoint.errors import CheckpointError, CheckpointPathError
 
 logger = logging.getLogger(__name__)

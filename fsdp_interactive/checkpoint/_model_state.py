@@ -37,7 +37,7 @@ from fsdp_interactive._torch_compat import get_fqns, set_optimizer_state_dict
 from fsdp_interactive.checkpoint.errors import UnsupportedModelError
 from fsdp_interactive.fsdp import _fqn_state
 from fsdp_interactive.fsdp._raw_state_dict import raw_state_dict
-from fsdp_interactive.wrapping._names import peel
+from fsdp_interactive.wrapping._path_cleaner import peel
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

@@ -12,7 +12,7 @@ result of :mod:`.._background_result`, which an async checkpoint save's handle s
 from __future__ import annotations
 
 from fsdp_interactive.checkpoint._background_result import BackgroundResult, LatestInFlight
-from fsdp_interactive.checkpoint._snapshot._record import SnapshotRecord
+from fsdp_interactive.checkpoint._format._snapshot_record import SnapshotRecord
 
 
 class SnapshotHandle(BackgroundResult[SnapshotRecord]):

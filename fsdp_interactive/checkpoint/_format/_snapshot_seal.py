@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from fsdp_interactive import _private_files
-from fsdp_interactive.checkpoint import _seal_json
+from fsdp_interactive.checkpoint._format import _seal_json
 from fsdp_interactive.checkpoint.errors import CorruptCheckpointError, SnapshotError
 
 KEY_ENV = "FSDPI_SNAPSHOT_KEY"

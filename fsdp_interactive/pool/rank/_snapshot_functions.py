@@ -100,8 +100,8 @@ def check_folder_source(folder: str) -> str | None:
 
     from fsdp_interactive.checkpoint import CheckpointError
     from fsdp_interactive.checkpoint._load import check_folder
+    from fsdp_interactive.checkpoint._model_state import model_state
     from fsdp_interactive.checkpoint._snapshot._store import RECORD_FILE, read_folder_record
-    from fsdp_interactive.checkpoint._state import model_state
     from fsdp_interactive.pool.rank._engine_shell import user_namespace
 
     path = Path(folder)

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.tensor import DTensor
 
 from fsdp_interactive._torch_compat import parameter_slots
-from fsdp_interactive.fsdp._summon import local_slice, summon_full_params
+from fsdp_interactive.fsdp._summon_full_params import local_slice, summon_full_params
 from fsdp_interactive.fsdp._traversal import owned_modules, units
 from fsdp_interactive.fsdp._unit_state import is_unit, unit_state
 from fsdp_interactive.inspect._inputs import ProbeInputError

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fsdp_interactive import _private_files
-from fsdp_interactive._checksums import new_checksum
-from fsdp_interactive.checkpoint import _manifest
+from fsdp_interactive.checkpoint._format import _manifest
+from fsdp_interactive.checkpoint._format._checksums import new_checksum
 
 #: The DCP metadata file's name (DCP's own).
 METADATA_FILE = ".metadata"
@@ -79,9 +79,9 @@ class RawWriter(StorageWriter):
     """Writes a DCP checkpoint of raw bytes into the existing private folder ``folder``.
 
     After ``dcp.save``: :attr:`files` holds the checksum record (``checksum``, one of
-    :data:`fsdp_interactive._checksums.CHECKSUMS`) of each file this rank wrote, the coordinator's
-    ``.metadata`` included, and :attr:`metadata_bytes` the metadata file's content on the
-    coordinator. ``sync``: each file is fsynced (a no-op in host memory, durable on disk).
+    :data:`fsdp_interactive.checkpoint._format._checksums.CHECKSUMS`) of each file this rank wrote,
+    the coordinator's ``.metadata`` included, and :attr:`metadata_bytes` the metadata file's content
+    on the coordinator. ``sync``: each file is fsynced (a no-op in host memory, durable on disk).
     """
 
     def __init__(

@@ -5,8 +5,8 @@ The manifest holds every file's size and SHA-256, and ``.metadata`` among the fi
 anyone who can write a folder can also write a manifest whose checksums match their own
 data. What they cannot write is ``owner-seal.json``: an HMAC-SHA256 of ``manifest.json``
 and of ``extra.json`` (or of its absence) under this user's checkpoint key
-(:mod:`fsdp_interactive._owner_key`, kept where only the user reaches). Every save and
-every persisted snapshot writes one; every load checks it before anything else is read
+(:mod:`fsdp_interactive.checkpoint._format._owner_key`, kept where only the user reaches). Every
+save and every persisted snapshot writes one; every load checks it before anything else is read
 (the DCP metadata is unpickled, with the allow-list, only after it holds).
 
 Not bound to the folder's name or place: a user may move, copy or rename their
@@ -22,8 +22,7 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from fsdp_interactive import _owner_key
-from fsdp_interactive.checkpoint import _manifest, _seal_json
+from fsdp_interactive.checkpoint._format import _manifest, _owner_key, _seal_json
 from fsdp_interactive.checkpoint.errors import CheckpointError, UntrustedCheckpointError
 
 SEAL_FILE = "owner-seal.json"

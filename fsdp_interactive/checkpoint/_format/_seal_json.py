@@ -1,6 +1,6 @@
 """The file a seal is written in: a JSON object naming its format and algorithm, with one
 HMAC-SHA256 (hex) per sealed file name, the same for a snapshot's seal (the pool's key,
-:mod:`._snapshot._seal`) and a disk checkpoint's (the user's key, :mod:`._owner_seal`)."""
+:mod:`._snapshot_seal`) and a disk checkpoint's (the user's key, :mod:`._owner_seal`)."""
 
 from __future__ import annotations
 

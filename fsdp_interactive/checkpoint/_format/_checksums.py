@@ -1,7 +1,7 @@
 """The checksum algorithms a checkpoint's files are checked with, and hashing a file.
 
 Standard library and ``xxhash`` only, importing nothing of the package: checkpoints
-name the algorithm in their manifest (:mod:`fsdp_interactive.checkpoint._manifest`), and
+name the algorithm in their manifest (:mod:`fsdp_interactive.checkpoint._format._manifest`), and
 the engine forker checks snapshot files ahead of a restore (:mod:`._prechecked`) in a
 process that must not import the checkpoint package to do it.
 """
