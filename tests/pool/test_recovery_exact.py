@@ -128,7 +128,8 @@ def test_a_skipped_tensor_the_snapshot_does_not_write_makes_the_replay_run_every
 
 
 class _Recorded(io.TextIOBase):
-    """A stdout that keeps every write in order, beside the markers the test adds."""
+    """A terminal's stdout and stderr in one: every write in order, beside the markers the
+    test adds (the phase line moves on stderr, finished steps are lines of stdout)."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
@@ -136,6 +137,9 @@ class _Recorded(io.TextIOBase):
     def write(self, text: str) -> int:
         self.events.append(text)
         return len(text)
+
+    def isatty(self) -> bool:
+        return True
 
 
 def test_each_phase_is_shown_before_the_recovery_waits_in_it(pool, monkeypatch):
@@ -167,6 +171,7 @@ def test_each_phase_is_shown_before_the_recovery_waits_in_it(pool, monkeypatch):
 
     monkeypatch.setattr(Pool, "run", run)
     monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", out)
     pool.recover()
     shown = [e.strip("\r ") for e in out.events if e.strip("\r ")]
 
