@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 
+from fsdp_interactive.pool.processes._pids import start_time
 from tests.multihost.conftest import squeue
 from tests.multihost.testhosts import HostSet, HostSetError
 
@@ -150,7 +150,7 @@ def test_every_daemon_is_recorded_with_its_start_time(testhosts):
     assert {"sshd@hosta", "sshd@hostb", "slurmd@hosta", "slurmd@hostb"} <= names
     assert {"slurmctld@hosta", "munged"} <= names
     for record in status["processes"]:
-        assert psutil.Process(record["pid"]).create_time() == record["create_time"]
+        assert start_time(record["pid"]) == record["start_time"]
     assert set(status["running"]) == names
     # squeue answers: slurmctld and munge are reachable from the head
     assert isinstance(squeue(testhosts.slurm_env), list)

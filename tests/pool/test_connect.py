@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import ipyparallel as ipp
-import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool, PoolStartError, visible_cuda_device_count
 from fsdp_interactive.pool.processes import _devices
-from fsdp_interactive.pool.processes._pids import still_running
+from fsdp_interactive.pool.processes._pids import start_time, still_running
 from tests.pool.conftest import record, wait_gone
 
 
@@ -25,7 +24,7 @@ def test_connect_to_a_running_cluster(profile_dir, monkeypatch):
         client.wait_for_engines(2, timeout=120)
         client.close()
         engine_pids = {
-            launcher.pid: psutil.Process(launcher.pid).create_time()
+            launcher.pid: start_time(launcher.pid)
             for engine_set in cluster.engines.values()
             for launcher in engine_set.launchers.values()
         }

@@ -11,6 +11,7 @@ import time
 import psutil
 
 from fsdp_interactive.pool import Pool
+from fsdp_interactive.pool.processes._pids import process_start
 from tests.pool.conftest import record, run_script, wait_gone
 
 
@@ -87,12 +88,14 @@ def test_each_engine_hands_over_to_a_nanny_forked_beside_it(profile_dir):
         reply = client.send_signal(signal.SIGWINCH, targets=list(engines.values()), block=False)
         reply.result(10)
         victim = pool.topology[1]
+        nanny = nannies[victim.pid]
+        nanny_started = process_start(nanny)
         os.kill(victim.pid, signal.SIGKILL)
         end = time.monotonic() + 10
         while victim.engine_id in client.ids and time.monotonic() < end:
             time.sleep(0.05)
         assert victim.engine_id not in client.ids
-        assert wait_gone({nannies[victim.pid].pid: nannies[victim.pid].create_time()}) == []
+        assert wait_gone({nanny.pid: nanny_started}) == []
     finally:
         pool.stop()
         record(pool)

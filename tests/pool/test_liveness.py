@@ -28,13 +28,37 @@ def _sleeper() -> subprocess.Popen:
 
 def test_a_live_pid_with_another_start_time_is_not_the_recorded_process():
     me = os.getpid()
-    created = psutil.Process(me).create_time()
+    created = start_time(me)
     assert start_time(me) == created
     assert is_running(me, created)
     # What a reused pid looks like: the pid runs, but it is not the process recorded.
     assert not is_running(me, created - 1.0)
     assert not is_running(me, None)  # never seen alive
     assert still_running({me: created - 1.0}) == []
+
+
+def test_a_step_of_the_wall_clock_neither_hides_a_process_nor_spares_it(monkeypatch):
+    """NTP steps a virtual machine's clock by seconds: psutil's ``create_time()`` (boot time
+    from the wall clock, plus the start in ticks) moves with it. A recorded process must
+    still run and still be ended, or a stop would leave it an orphan."""
+    import psutil._pslinux as psutil_linux  # where psutil derives the boot time on Linux
+
+    child = _sleeper()
+    try:
+        created = start_time(child.pid)
+        seen_before = psutil.Process(child.pid).create_time()
+        booted = psutil_linux.boot_time
+        monkeypatch.setattr(psutil_linux, "boot_time", lambda: booted() + 30.0)
+        # The step as psutil sees it: the same process, 30 s "later".
+        assert psutil.Process(child.pid).create_time() == pytest.approx(seen_before + 30.0)
+        assert start_time(child.pid) == created
+        assert is_running(child.pid, created)
+        assert end_processes({child.pid: created}, grace=1.0) == [child.pid]
+        assert child.wait(timeout=10) is not None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def test_a_recorded_process_that_ended_is_dead():

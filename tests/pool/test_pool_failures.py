@@ -22,6 +22,7 @@ from fsdp_interactive.pool import (
     RunResult,
 )
 from fsdp_interactive.pool._dispatch import PendingCall
+from fsdp_interactive.pool.processes._pids import start_time
 from tests.pool.conftest import record, wait_gone
 
 pytestmark = pytest.mark.timing
@@ -193,9 +194,8 @@ def test_interrupt_method_stops_a_running_loop(pool: Pool, marker_dir: Path):
 def test_sigkill_during_all_reduce_loop_raises_rank_died(pool: Pool, marker_dir: Path, capsys):
     victim = pool.topology[1].pid
     survivor = {pool.topology[0].pid: 0.0}
-    import psutil
 
-    survivor = {pid: psutil.Process(pid).create_time() for pid in survivor}
+    survivor = {pid: start_time(pid) for pid in survivor}
     killed_at: list[float] = []
 
     def kill() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
-import psutil
 import pytest
 
 from fsdp_interactive.pool import Pool, RankDied, RankError
+from fsdp_interactive.pool.processes._pids import start_time
 from tests.pool.conftest import record, wait_gone
 
 pytestmark = pytest.mark.world4
@@ -48,9 +48,7 @@ def test_four_ranks_from_start_to_crash_to_stop(profile_dir, capsys):
         assert text.count("RuntimeError: even") == 1
         assert "ranks 1, 3: RuntimeError: odd" in text
 
-        survivors = {
-            r.pid: psutil.Process(r.pid).create_time() for r in pool.topology if r.rank != 2
-        }
+        survivors = {r.pid: start_time(r.pid) for r in pool.topology if r.rank != 2}
         started = time.monotonic()
         with pytest.raises(RankDied) as died:
             pool.run("import ctypes\nif rank == 2:\n    ctypes.string_at(0)\ndist.barrier()")

@@ -18,7 +18,7 @@ import pytest
 
 from fsdp_interactive.pool import Pool, RankDied
 from fsdp_interactive.pool.common._snapshot_root import ENV_VAR, create_root, remove_root
-from fsdp_interactive.pool.processes._pids import end_processes, still_running
+from fsdp_interactive.pool.processes._pids import end_processes, start_time, still_running
 from tests.pool.conftest import record, wait_gone
 
 #: What a snapshot leaves in the root, as far as these tests care.
@@ -84,7 +84,7 @@ def test_a_killed_rank_leaves_the_forker_and_the_root_for_the_next_group(profile
         record(pool)
         (forker,) = _forkers(pool)
         pool.run(WRITE_SNAPSHOT, stream=False)
-        old = {r.pid: psutil.Process(r.pid).create_time() for r in pool.topology}
+        old = {r.pid: start_time(r.pid) for r in pool.topology}
         victim = pool.topology[1].pid
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
         with pytest.raises(RankDied) as died:
@@ -158,13 +158,13 @@ def test_the_reaper_removes_the_root_when_the_owner_dies(tmp_path):
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
     )
     pid_file = tmp_path / "launched.json"
-    pid_file.write_text(json.dumps({str(victim.pid): psutil.Process(victim.pid).create_time()}))
+    pid_file.write_text(json.dumps({str(victim.pid): start_time(victim.pid)}))
     command = [
         sys.executable,
         "-m",
         "fsdp_interactive.pool.processes._reaper",
         str(owner.pid),
-        repr(psutil.Process(owner.pid).create_time()),
+        repr(start_time(owner.pid)),
         str(pid_file),
     ]
     reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)

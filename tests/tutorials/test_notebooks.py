@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_interactive.pool.processes._pids import end_processes
+from fsdp_interactive.pool.processes._pids import end_processes, start_time
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -126,7 +126,7 @@ def test_every_notebook_runs_and_reproduces_its_outputs_on_the_lowest_kernel_pat
         leaked = processes_with_marker(marker)
         leaked_desc = [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in leaked if p.is_running()]
         # by pid and start time, as found (psutil.Process keeps the start time it saw)
-        end_processes({p.pid: p.create_time() for p in leaked})
+        end_processes({p.pid: start_time(p.pid) for p in leaked})
     output = run.stdout[-20000:] + run.stderr[-5000:]
     assert run.returncode == 0, f"nbval failed:\n{output}"
     assert not leaked_desc, f"processes left running after the notebooks: {leaked_desc}"

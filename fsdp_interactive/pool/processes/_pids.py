@@ -3,7 +3,13 @@
 A pid alone does not name a process for long: once a process has ended the kernel may
 give its pid to an unrelated one. Every place that asks whether a process the pool
 started still runs, or that ends one, therefore goes through these functions with the
-start time (``psutil.Process.create_time()``) recorded when the process was seen.
+start time (:func:`process_start`) recorded when the process was seen.
+
+The start time counts from the host's boot, not from the epoch: psutil's
+``create_time()`` adds a boot time it derives from the wall clock, so a step of the clock
+(NTP on a virtual machine steps it by seconds) moves every process's ``create_time()``,
+and each process the pool recorded would look replaced by another: never ended, an
+orphan. Seconds since boot stay fixed for a process's life.
 
 Kept free of everything but psutil: the orphan reaper (:mod:`._reaper`) imports it in a
 process of its own that must start fast.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Mapping
 
 import psutil
@@ -22,10 +29,31 @@ log = logging.getLogger(__name__)
 GRACE_S = 5.0
 
 
+_PROC = "/proc"
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_start(proc: psutil.Process) -> float:
+    """Seconds from the host's boot to ``proc``'s start, fixed for the process's life
+    (``starttime`` of ``/proc/PID/stat``); where there is no ``/proc``, psutil's
+    ``create_time()``. Raises ``psutil.NoSuchProcess`` when the process is gone."""
+    if not os.path.isdir(_PROC):
+        return proc.create_time()
+    try:
+        with open(f"{_PROC}/{proc.pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise psutil.NoSuchProcess(proc.pid) from exc
+    # After the command's closing parenthesis the fields start at the third, the state;
+    # starttime is the 22nd (proc(5)).
+    return int(fields[22 - 3]) / _CLOCK_TICKS
+
+
 def start_time(pid: int) -> float | None:
-    """The start time of the process that has ``pid`` now (``None``: there is none)."""
+    """The start time (:func:`process_start`) of the process that has ``pid`` now
+    (``None``: there is none)."""
     with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).create_time()
+        return process_start(psutil.Process(pid))
     return None
 
 
@@ -40,7 +68,7 @@ def running_process(pid: int, created: float | None) -> psutil.Process | None:
         return None
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(pid)
-        if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+        if process_start(proc) == created and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     return None
 

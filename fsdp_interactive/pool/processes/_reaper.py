@@ -12,8 +12,8 @@ owns::
 with ``{"remove": [DIR, ...]}`` on its stdin (the folders to remove: private paths go on
 no command line, which ``ps`` shows every user). It polls once a second. While the owner lives it does nothing; when ``PIDS_FILE``
 disappears (the pool was stopped normally) it exits. When the owner is gone it ends
-every process listed in ``PIDS_FILE`` (a JSON object ``{"pid": create_time}``, rewritten
-atomically by the pool as it starts processes): SIGTERM, then SIGKILL after a grace
+every process listed in ``PIDS_FILE`` (a JSON object ``{"pid": start time}``, the start
+time of :func:`._pids.start_time`, rewritten atomically by the pool as it starts processes): SIGTERM, then SIGKILL after a grace
 period, and only where pid *and* start time still match, so a reused pid is never hit.
 It never looks processes up by name. Then it removes each folder of ``remove``: the
 pool's snapshot root on this host (:mod:`fsdp_interactive.pool.common._snapshot_root`,
@@ -44,7 +44,7 @@ import psutil
 
 from fsdp_interactive import _private_files
 from fsdp_interactive.pool.common import _snapshot_root, _socket_folder
-from fsdp_interactive.pool.processes._pids import end_processes, is_running
+from fsdp_interactive.pool.processes._pids import end_processes, is_running, process_start
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def start_reaper(
         "-m",
         "fsdp_interactive.pool.processes._reaper",
         str(owner.pid),
-        repr(owner.create_time()),
+        repr(process_start(owner)),
         str(pid_file),
     ]
     logs = log_level is not None and log_path is not None

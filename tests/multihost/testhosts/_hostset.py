@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from fsdp_interactive.pool.processes._pids import process_start
 from tests.multihost.testhosts._services import HostServices
 from tests.multihost.testhosts._system import (
     HEAD_HOST,
@@ -424,10 +425,10 @@ class HostSet(HostServices):
                 env=dict(env) if env is not None else None,
             )
         try:
-            created = psutil.Process(proc.pid).create_time()
+            created = process_start(psutil.Process(proc.pid))
         except psutil.NoSuchProcess:
             created = None
-        self._state["processes"].append({"name": name, "pid": proc.pid, "create_time": created})
+        self._state["processes"].append({"name": name, "pid": proc.pid, "start_time": created})
         self._save()
         if created is None:
             raise HostSetError(f"{name} exited at once; see {directory / log_name}")

@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from fsdp_interactive.pool.processes._pids import process_start
+
 DEFAULT_STATE = "/tmp/fsdpi-testhosts"
 LOCK = "/run/lock/fsdpi-testhosts.lock"
 RUNTIME_ROOT = "/run/fsdpi-testhosts"
@@ -87,11 +89,11 @@ def slot_of(netns: str) -> int | None:
 
 
 def alive(record: Mapping[str, Any]) -> bool:
-    if record.get("create_time") is None:
+    if record.get("start_time") is None:
         return False
     try:
         proc = psutil.Process(record["pid"])
-        return proc.create_time() == record["create_time"] and proc.status() != psutil.STATUS_ZOMBIE
+        return process_start(proc) == record["start_time"] and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
