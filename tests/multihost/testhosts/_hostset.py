@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive.pool.processes._pids import process_start
+from fsdp_interactive.pool.processes._pids import start_time
 from tests.multihost.testhosts._services import HostServices
 from tests.multihost.testhosts._system import (
     HEAD_HOST,
@@ -424,10 +424,7 @@ class HostSet(HostServices):
                 start_new_session=True,
                 env=dict(env) if env is not None else None,
             )
-        try:
-            created = process_start(psutil.Process(proc.pid))
-        except psutil.NoSuchProcess:
-            created = None
+        created = start_time(proc.pid)
         self._state["processes"].append({"name": name, "pid": proc.pid, "start_time": created})
         self._save()
         if created is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from fsdp_interactive.pool.processes._pids import process_start
+from fsdp_interactive.pool.processes._pids import is_running
 
 DEFAULT_STATE = "/tmp/fsdpi-testhosts"
 LOCK = "/run/lock/fsdpi-testhosts.lock"
@@ -89,13 +89,8 @@ def slot_of(netns: str) -> int | None:
 
 
 def alive(record: Mapping[str, Any]) -> bool:
-    if record.get("start_time") is None:
-        return False
-    try:
-        proc = psutil.Process(record["pid"])
-        return process_start(proc) == record["start_time"] and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    """Whether the recorded process (its pid and start time) still runs."""
+    return is_running(record["pid"], record.get("start_time"))
 
 
 def processes_in_netns(inodes: set[int]) -> list[psutil.Process]:
